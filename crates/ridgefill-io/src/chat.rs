@@ -1,0 +1,349 @@
+//! Chat templates (HF Jinja) rendered with minijinja, configured like transformers' sandbox.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::value::Value;
+use minijinja::{Environment, Error as JinjaError, ErrorKind, context};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{IoError, Result};
+
+/// Name the template is registered under inside its environment.
+const TEMPLATE_NAME: &str = "chat_template";
+/// Origin reported in errors for templates built from a bare string.
+const INLINE_ORIGIN: &str = "<chat template>";
+const SECONDS_PER_DAY: i64 = 86_400;
+const SECONDS_PER_HOUR: i64 = 3_600;
+const SECONDS_PER_MINUTE: i64 = 60;
+/// 12-hour clock for %I / %p.
+const HOURS_PER_HALF_DAY: i64 = 12;
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
+/// 1970-01-01 was a Thursday (index 3 from Monday).
+const EPOCH_WEEKDAY: i64 = 3;
+/// Abbreviated month/day names are the first three letters.
+const ABBREV: usize = 3;
+
+/// One chat turn.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// Convenience constructor.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A compiled chat template.
+#[derive(Clone)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    bos: String,
+    eos: String,
+    origin: PathBuf,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("source_len", &self.source.len())
+            .finish()
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `src`; `bos`/`eos` are exposed to the template as `bos_token`/`eos_token`.
+    pub fn new(src: String, bos: String, eos: String) -> Result<ChatTemplate> {
+        Self::with_origin(src, bos, eos, Path::new(INLINE_ORIGIN))
+    }
+
+    /// Like [`Self::new`], naming the file the template came from in errors.
+    pub fn with_origin(
+        src: String,
+        bos: String,
+        eos: String,
+        origin: &Path,
+    ) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        // transformers compiles chat templates with trim_blocks and lstrip_blocks.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        // Python string/dict methods (.strip(), .startswith(), .items(), ...) used by HF templates.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, src.clone())
+            .map_err(|e| IoError::Template {
+                path: origin.to_path_buf(),
+                message: format!("template does not compile: {}", describe(&e)),
+            })?;
+        Ok(ChatTemplate {
+            env,
+            source: src,
+            bos,
+            eos,
+            origin: origin.to_path_buf(),
+        })
+    }
+
+    /// The template source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders a conversation into the prompt text.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, Value::UNDEFINED)
+    }
+
+    /// Renders with extra template variables (e.g. `tools`, `date_string`) merged in.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: Value,
+    ) -> Result<String> {
+        let fail = |e: JinjaError| IoError::Template {
+            path: self.origin.clone(),
+            message: describe(&e),
+        };
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(fail)?;
+        let base = context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos.as_str(),
+            eos_token => self.eos.as_str(),
+        };
+        let ctx = if extra.is_undefined() {
+            base
+        } else {
+            context! { ..base, ..extra }
+        };
+        tmpl.render(ctx).map_err(fail)
+    }
+}
+
+fn describe(e: &JinjaError) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
+
+/// HF templates call `raise_exception(msg)` to reject a conversation.
+fn raise_exception(msg: String) -> std::result::Result<Value, JinjaError> {
+    Err(JinjaError::new(
+        ErrorKind::InvalidOperation,
+        format!("template raised an exception: {msg}"),
+    ))
+}
+
+/// Python-compatible `tojson`: `json.dumps` separators, key order kept, no HTML escaping.
+fn tojson(
+    value: Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<Value, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    write_py_json(&mut out, &value, indent, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+fn write_py_json(
+    out: &mut String,
+    v: &Value,
+    indent: Option<usize>,
+    level: usize,
+) -> std::result::Result<(), JinjaError> {
+    use minijinja::value::ValueKind;
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * level));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    let json_err =
+        |e: serde_json::Error| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}"));
+    match v.kind() {
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+            let is_map = v.kind() == ValueKind::Map;
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str(if is_map { "{}" } else { "[]" });
+                return Ok(());
+            }
+            out.push(if is_map { '{' } else { '[' });
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                if is_map {
+                    let key = x
+                        .as_str()
+                        .map(str::to_string)
+                        .unwrap_or_else(|| x.to_string());
+                    out.push_str(&serde_json::to_string(&key).map_err(json_err)?);
+                    out.push_str(": ");
+                    write_py_json(out, &v.get_item(x)?, indent, level + 1)?;
+                } else {
+                    write_py_json(out, x, indent, level + 1)?;
+                }
+            }
+            newline(out, level);
+            out.push(if is_map { '}' } else { ']' });
+        }
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        _ => out.push_str(&serde_json::to_string(v).map_err(json_err)?),
+    }
+    Ok(())
+}
+
+/// `strftime_now(fmt)`: current UTC time formatted with the common strftime directives.
+fn strftime_now(fmt: String) -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime(&fmt, secs)
+}
+
+fn strftime(fmt: &str, unix_secs: i64) -> String {
+    let days = unix_secs.div_euclid(SECONDS_PER_DAY);
+    let rem = unix_secs.rem_euclid(SECONDS_PER_DAY);
+    let (year, month, day) = civil_from_days(days);
+    let hour = rem / SECONDS_PER_HOUR;
+    let minute = rem % SECONDS_PER_HOUR / SECONDS_PER_MINUTE;
+    let second = rem % SECONDS_PER_MINUTE;
+    let weekday = (days + EPOCH_WEEKDAY).rem_euclid(WEEKDAYS.len() as i64) as usize;
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:2}")),
+            Some('H') => out.push_str(&format!("{hour:02}")),
+            Some('I') => out.push_str(&format!(
+                "{:02}",
+                (hour + HOURS_PER_HALF_DAY - 1) % HOURS_PER_HALF_DAY + 1
+            )),
+            Some('p') => out.push_str(if hour < HOURS_PER_HALF_DAY {
+                "AM"
+            } else {
+                "PM"
+            }),
+            Some('M') => out.push_str(&format!("{minute:02}")),
+            Some('S') => out.push_str(&format!("{second:02}")),
+            Some('B') => out.push_str(month_name),
+            Some('b') | Some('h') => out.push_str(&month_name[..ABBREV]),
+            Some('A') => out.push_str(WEEKDAYS[weekday]),
+            Some('a') => out.push_str(&WEEKDAYS[weekday][..ABBREV]),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    const DAYS_TO_0000_03_01: i64 = 719_468;
+    const DAYS_PER_ERA: i64 = 146_097;
+    let z = days + DAYS_TO_0000_03_01;
+    let era = z.div_euclid(DAYS_PER_ERA);
+    let doe = z.rem_euclid(DAYS_PER_ERA);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_known_date() {
+        // 2024-02-29 13:05:09 UTC was a Thursday.
+        let t = 1_709_211_909;
+        assert_eq!(
+            strftime("%d %b %Y %H:%M:%S %A %%", t),
+            "29 Feb 2024 13:05:09 Thursday %"
+        );
+    }
+
+    #[test]
+    fn renders_with_python_methods_and_errors() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad') }}{% endif %}\
+             {{ m.content.strip() }}{% if m.content.strip().startswith('x') %}!{% endif %}{% endfor %}\
+             {{ {'a': [1, 2]} | tojson }}"
+                .into(),
+            "<s>".into(),
+            "</s>".into(),
+        )
+        .unwrap();
+        let out = t
+            .render(&[ChatMessage::new("user", "  xy ")], false)
+            .unwrap();
+        assert_eq!(out, "xy!{\"a\": [1, 2]}");
+        let err = t.render(&[ChatMessage::new("bad", "")], false).unwrap_err();
+        assert!(err.to_string().contains("no bad"), "{err}");
+    }
+}

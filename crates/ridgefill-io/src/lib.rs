@@ -1,0 +1,19 @@
+//! Pure-format readers for RidgeFill (GGUF, HF safetensors, tokenizers, chat templates); weights come out as `Vec<f32>`.
+
+pub mod chat;
+pub mod checkpoint;
+pub mod config;
+mod error;
+pub mod gguf;
+pub mod hf;
+pub mod names;
+pub mod quant;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use checkpoint::{Checkpoint, CheckpointFormat, TensorInfo};
+pub use config::{EosIds, ModelConfig, RopeScaling};
+pub use error::{IoError, Result};
+pub use gguf::{GgufFile, GgufTensorInfo, MetaArray, MetaValue};
+pub use quant::{GgmlType, QuantError};
+pub use tokenizer::{StreamDecoder, Tokenizer};

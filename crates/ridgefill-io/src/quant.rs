@@ -1,0 +1,512 @@
+//! ggml tensor types and their dequantisation to f32, bit-exact with ggml's reference order of operations.
+
+use std::fmt;
+
+use half::{bf16, f16};
+
+/// Elements per block of the "legacy" quant types (Q4_0 ... Q8_1, IQ4_NL, MXFP4).
+const QK: usize = 32;
+/// Elements per super-block of the k-quants and i-quants.
+const QK_K: usize = 256;
+/// Bytes of a little-endian f16 scale.
+const F16_BYTES: usize = 2;
+/// Bytes of the packed 6-bit scales/mins of Q4_K and Q5_K.
+const K_SCALE_BYTES: usize = 12;
+/// Q4_0 stores unsigned nibbles centred on this offset.
+const Q4_0_OFFSET: i32 = 8;
+/// Q5_0 stores unsigned 5-bit values centred on this offset.
+const Q5_0_OFFSET: i32 = 16;
+/// Q6_K stores unsigned 6-bit values centred on this offset.
+const Q6_K_OFFSET: i32 = 32;
+/// Bytes of a little-endian f32 scale (Q8_K).
+const F32_BYTES: usize = 4;
+/// Bytes of the u32 holding the fifth bits of Q5_0 / Q5_1 blocks.
+const QH_BYTES: usize = 4;
+/// Bytes of the shared E8M0 exponent of an MXFP4 block.
+const E8M0_BYTES: usize = 1;
+/// Mask of the low nibble.
+const NIBBLE: u8 = 0x0F;
+/// Width of a nibble; the fifth/sixth quant bits sit above it.
+const NIBBLE_BITS: u32 = 4;
+/// Mask of a 2-bit field (Q6_K high bits).
+const TWO_BITS: u8 = 0x03;
+/// Shift that leaves the top two bits of a byte (high bits of Q4_K/Q5_K 6-bit scales).
+const TOP_TWO_SHIFT: u32 = 6;
+/// Mask of a 6-bit scale.
+const SIX_BITS: u8 = 0x3F;
+/// How many f16 values are converted per stack buffer, so the bulk converter can use SIMD.
+const F16_CHUNK: usize = 1024;
+
+/// Errors of the pure dequantisation layer (no file context; callers add it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    /// The id is not a ggml type at all.
+    #[error("unknown ggml type id {0}")]
+    UnknownType(u32),
+    /// A real ggml type that this crate does not dequantise.
+    #[error(
+        "ggml type {0} cannot be dequantised: expected one of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"
+    )]
+    Unsupported(GgmlType),
+    /// The element count does not fill whole blocks.
+    #[error("{ty}: element count must be a multiple of the block size {block}, found {n_elements}")]
+    NotBlockMultiple {
+        ty: GgmlType,
+        block: usize,
+        n_elements: usize,
+    },
+    /// The raw byte length does not match the element count.
+    #[error("{ty}: {n_elements} elements need {expected} bytes, found {found}")]
+    ByteLength {
+        ty: GgmlType,
+        n_elements: usize,
+        expected: usize,
+        found: usize,
+    },
+}
+
+macro_rules! ggml_types {
+    ($($name:ident = $id:expr, $block:expr, $bytes:expr;)*) => {
+        /// A ggml tensor element type, with the id used in GGUF files.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[allow(non_camel_case_types)]
+        pub enum GgmlType {
+            $($name,)*
+        }
+
+        impl GgmlType {
+            /// Every type this crate knows the layout of.
+            pub const ALL: &'static [GgmlType] = &[$(GgmlType::$name,)*];
+
+            /// The id stored in GGUF tensor infos.
+            pub fn id(self) -> u32 {
+                match self { $(GgmlType::$name => $id,)* }
+            }
+
+            /// Looks a type up by its GGUF id.
+            pub fn from_id(id: u32) -> Option<GgmlType> {
+                match id { $($id => Some(GgmlType::$name),)* _ => None }
+            }
+
+            /// ggml's name for the type, e.g. "Q4_K".
+            pub fn name(self) -> &'static str {
+                match self { $(GgmlType::$name => stringify!($name),)* }
+            }
+
+            /// Elements per block.
+            pub fn block_size(self) -> usize {
+                match self { $(GgmlType::$name => $block,)* }
+            }
+
+            /// Bytes per block.
+            pub fn type_size(self) -> usize {
+                match self { $(GgmlType::$name => $bytes,)* }
+            }
+        }
+    };
+}
+
+// Sizes are ggml's `type_traits` table (ggml.c); ids are `enum ggml_type` (ggml.h).
+ggml_types! {
+    F32 = 0, 1, 4;
+    F16 = 1, 1, 2;
+    Q4_0 = 2, QK, F16_BYTES + QK / 2;
+    Q4_1 = 3, QK, 2 * F16_BYTES + QK / 2;
+    Q5_0 = 6, QK, F16_BYTES + QH_BYTES + QK / 2;
+    Q5_1 = 7, QK, 2 * F16_BYTES + QH_BYTES + QK / 2;
+    Q8_0 = 8, QK, F16_BYTES + QK;
+    Q8_1 = 9, QK, 2 * F16_BYTES + QK;
+    Q2_K = 10, QK_K, 2 * F16_BYTES + QK_K / 16 + QK_K / 4;
+    Q3_K = 11, QK_K, F16_BYTES + QK_K / 4 + QK_K / 8 + K_SCALE_BYTES;
+    Q4_K = 12, QK_K, 2 * F16_BYTES + K_SCALE_BYTES + QK_K / 2;
+    Q5_K = 13, QK_K, 2 * F16_BYTES + K_SCALE_BYTES + QK_K / 8 + QK_K / 2;
+    Q6_K = 14, QK_K, F16_BYTES + QK_K / 2 + QK_K / 4 + QK_K / 16;
+    Q8_K = 15, QK_K, F32_BYTES + QK_K + QK_K / 8;
+    IQ2_XXS = 16, QK_K, F16_BYTES + QK_K / 4;
+    IQ2_XS = 17, QK_K, F16_BYTES + QK_K / 4 + QK_K / 32;
+    IQ3_XXS = 18, QK_K, F16_BYTES + QK_K / 4 + QK_K / 8;
+    IQ1_S = 19, QK_K, F16_BYTES + QK_K / 8 + QK_K / 16;
+    IQ4_NL = 20, QK, F16_BYTES + QK / 2;
+    IQ3_S = 21, QK_K, F16_BYTES + QK_K / 4 + QK_K / 8 + QK_K / 32 + QK_K / 64;
+    IQ2_S = 22, QK_K, F16_BYTES + QK_K / 4 + QK_K / 16;
+    IQ4_XS = 23, QK_K, 2 * F16_BYTES + QK_K / 2 + QK_K / 64;
+    I8 = 24, 1, 1;
+    I16 = 25, 1, 2;
+    I32 = 26, 1, 4;
+    I64 = 27, 1, 8;
+    F64 = 28, 1, 8;
+    IQ1_M = 29, QK_K, QK_K / 8 + QK_K / 16 + QK_K / 32;
+    BF16 = 30, 1, 2;
+    TQ1_0 = 34, QK_K, F16_BYTES + (QK_K - 4 * QK_K / 64) / 5 + QK_K / 64;
+    TQ2_0 = 35, QK_K, F16_BYTES + QK_K / 4;
+    MXFP4 = 39, QK, E8M0_BYTES + QK / 2;
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl TryFrom<u32> for GgmlType {
+    type Error = QuantError;
+    fn try_from(id: u32) -> Result<Self, QuantError> {
+        GgmlType::from_id(id).ok_or(QuantError::UnknownType(id))
+    }
+}
+
+impl GgmlType {
+    /// Whether [`dequantize`] supports this type.
+    pub fn can_dequantize(self) -> bool {
+        matches!(
+            self,
+            GgmlType::F32
+                | GgmlType::F16
+                | GgmlType::BF16
+                | GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q8_0
+                | GgmlType::Q4_K
+                | GgmlType::Q5_K
+                | GgmlType::Q6_K
+        )
+    }
+
+    /// Bytes needed for `n_elements`, or `None` if they do not fill whole blocks or overflow.
+    pub fn bytes_for(self, n_elements: u64) -> Option<u64> {
+        let block = self.block_size() as u64;
+        if !n_elements.is_multiple_of(block) {
+            return None;
+        }
+        (n_elements / block).checked_mul(self.type_size() as u64)
+    }
+}
+
+/// Dequantises `n_elements` values of type `ty` stored in `raw` into a new f32 vector.
+pub fn dequantize(ty: GgmlType, raw: &[u8], n_elements: usize) -> Result<Vec<f32>, QuantError> {
+    check_len(ty, raw, n_elements)?;
+    let mut out = vec![0.0f32; n_elements];
+    dequantize_into(ty, raw, &mut out)?;
+    Ok(out)
+}
+
+/// Dequantises into a caller-provided buffer; `out.len()` is the element count.
+pub fn dequantize_into(ty: GgmlType, raw: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
+    check_len(ty, raw, out.len())?;
+    match ty {
+        GgmlType::F32 => deq_f32(raw, out),
+        GgmlType::F16 => deq_f16(raw, out),
+        GgmlType::BF16 => deq_bf16(raw, out),
+        GgmlType::Q4_0 => deq_q4_0(raw, out),
+        GgmlType::Q4_1 => deq_q4_1(raw, out),
+        GgmlType::Q5_0 => deq_q5_0(raw, out),
+        GgmlType::Q5_1 => deq_q5_1(raw, out),
+        GgmlType::Q8_0 => deq_q8_0(raw, out),
+        GgmlType::Q4_K => deq_q4_k(raw, out),
+        GgmlType::Q5_K => deq_q5_k(raw, out),
+        GgmlType::Q6_K => deq_q6_k(raw, out),
+        other => return Err(QuantError::Unsupported(other)),
+    }
+    Ok(())
+}
+
+fn check_len(ty: GgmlType, raw: &[u8], n_elements: usize) -> Result<(), QuantError> {
+    let block = ty.block_size();
+    if !n_elements.is_multiple_of(block) {
+        return Err(QuantError::NotBlockMultiple {
+            ty,
+            block,
+            n_elements,
+        });
+    }
+    let expected = (n_elements / block).saturating_mul(ty.type_size());
+    if raw.len() != expected {
+        return Err(QuantError::ByteLength {
+            ty,
+            n_elements,
+            expected,
+            found: raw.len(),
+        });
+    }
+    Ok(())
+}
+
+#[inline(always)]
+fn half_at(raw: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([raw[at], raw[at + 1]])).to_f32()
+}
+
+fn deq_f32(raw: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(raw.chunks_exact(4)) {
+        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+}
+
+fn deq_f16(raw: &[u8], out: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    let mut buf = [f16::ZERO; F16_CHUNK];
+    for (o, r) in out.chunks_mut(F16_CHUNK).zip(raw.chunks(F16_CHUNK * 2)) {
+        let n = o.len();
+        for (h, b) in buf[..n].iter_mut().zip(r.chunks_exact(2)) {
+            *h = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
+        // Bulk conversion uses the F16C instructions when the CPU has them.
+        buf[..n].convert_to_f32_slice(o);
+    }
+}
+
+fn deq_bf16(raw: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
+        *o = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+    }
+}
+
+fn deq_q4_0(raw: &[u8], out: &mut [f32]) {
+    const HALF: usize = QK / 2;
+    let ts = GgmlType::Q4_0.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK)) {
+        let d = half_at(blk, 0);
+        let qs: &[u8; HALF] = blk[F16_BYTES..].try_into().unwrap_or(&[0; HALF]);
+        let (lo, hi) = o.split_at_mut(HALF);
+        for j in 0..HALF {
+            lo[j] = d * ((qs[j] & NIBBLE) as i32 - Q4_0_OFFSET) as f32;
+            hi[j] = d * ((qs[j] >> NIBBLE_BITS) as i32 - Q4_0_OFFSET) as f32;
+        }
+    }
+}
+
+fn deq_q4_1(raw: &[u8], out: &mut [f32]) {
+    const HALF: usize = QK / 2;
+    let ts = GgmlType::Q4_1.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK)) {
+        let d = half_at(blk, 0);
+        let m = half_at(blk, F16_BYTES);
+        let qs: &[u8; HALF] = blk[2 * F16_BYTES..].try_into().unwrap_or(&[0; HALF]);
+        let (lo, hi) = o.split_at_mut(HALF);
+        for j in 0..HALF {
+            // Multiply then add as two roundings, matching ggml (no fused multiply-add).
+            lo[j] = d * (qs[j] & NIBBLE) as f32 + m;
+            hi[j] = d * (qs[j] >> NIBBLE_BITS) as f32 + m;
+        }
+    }
+}
+
+fn deq_q5_0(raw: &[u8], out: &mut [f32]) {
+    const HALF: usize = QK / 2;
+    const QH_AT: usize = F16_BYTES;
+    const QS_AT: usize = QH_AT + QH_BYTES;
+    let ts = GgmlType::Q5_0.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK)) {
+        let d = half_at(blk, 0);
+        let qh = u32::from_le_bytes([blk[QH_AT], blk[QH_AT + 1], blk[QH_AT + 2], blk[QH_AT + 3]]);
+        let qs: &[u8; HALF] = blk[QS_AT..].try_into().unwrap_or(&[0; HALF]);
+        let (lo, hi) = o.split_at_mut(HALF);
+        for j in 0..HALF {
+            let h0 = (((qh >> j) & 1) << NIBBLE_BITS) as i32;
+            let h1 = (((qh >> (j + HALF)) & 1) << NIBBLE_BITS) as i32;
+            lo[j] = d * (((qs[j] & NIBBLE) as i32 | h0) - Q5_0_OFFSET) as f32;
+            hi[j] = d * (((qs[j] >> NIBBLE_BITS) as i32 | h1) - Q5_0_OFFSET) as f32;
+        }
+    }
+}
+
+fn deq_q5_1(raw: &[u8], out: &mut [f32]) {
+    const HALF: usize = QK / 2;
+    const QH_AT: usize = 2 * F16_BYTES;
+    const QS_AT: usize = QH_AT + QH_BYTES;
+    let ts = GgmlType::Q5_1.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK)) {
+        let d = half_at(blk, 0);
+        let m = half_at(blk, F16_BYTES);
+        let qh = u32::from_le_bytes([blk[QH_AT], blk[QH_AT + 1], blk[QH_AT + 2], blk[QH_AT + 3]]);
+        let qs: &[u8; HALF] = blk[QS_AT..].try_into().unwrap_or(&[0; HALF]);
+        let (lo, hi) = o.split_at_mut(HALF);
+        for j in 0..HALF {
+            let h0 = (((qh >> j) & 1) << NIBBLE_BITS) as u8;
+            let h1 = (((qh >> (j + HALF)) & 1) << NIBBLE_BITS) as u8;
+            lo[j] = d * ((qs[j] & NIBBLE) | h0) as f32 + m;
+            hi[j] = d * ((qs[j] >> NIBBLE_BITS) | h1) as f32 + m;
+        }
+    }
+}
+
+fn deq_q8_0(raw: &[u8], out: &mut [f32]) {
+    let ts = GgmlType::Q8_0.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK)) {
+        let d = half_at(blk, 0);
+        let qs: &[u8; QK] = blk[F16_BYTES..].try_into().unwrap_or(&[0; QK]);
+        for j in 0..QK {
+            o[j] = (qs[j] as i8) as f32 * d;
+        }
+    }
+}
+
+/// Unpacks the eight 6-bit (scale, min) pairs of a Q4_K / Q5_K super-block.
+#[inline(always)]
+fn k_scale_min(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for j in 0..4 {
+        sc[j] = s[j] & SIX_BITS;
+        mn[j] = s[j + 4] & SIX_BITS;
+        sc[j + 4] = (s[j + 8] & NIBBLE) | ((s[j] >> TOP_TWO_SHIFT) << NIBBLE_BITS);
+        mn[j + 4] = (s[j + 8] >> NIBBLE_BITS) | ((s[j + 4] >> TOP_TWO_SHIFT) << NIBBLE_BITS);
+    }
+    (sc, mn)
+}
+
+fn deq_q4_k(raw: &[u8], out: &mut [f32]) {
+    const SCALES_AT: usize = 2 * F16_BYTES;
+    const QS_AT: usize = SCALES_AT + K_SCALE_BYTES;
+    const SUB: usize = 32;
+    let ts = GgmlType::Q4_K.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK_K)) {
+        let d = half_at(blk, 0);
+        let dmin = half_at(blk, F16_BYTES);
+        let (sc, mn) = k_scale_min(&blk[SCALES_AT..QS_AT]);
+        let qs = &blk[QS_AT..];
+        // Each 32-byte chunk of qs holds two sub-blocks: low nibbles first, then high nibbles.
+        for (c, (q, o)) in qs
+            .chunks_exact(SUB)
+            .zip(o.chunks_exact_mut(2 * SUB))
+            .enumerate()
+        {
+            let d1 = d * sc[2 * c] as f32;
+            let m1 = dmin * mn[2 * c] as f32;
+            let d2 = d * sc[2 * c + 1] as f32;
+            let m2 = dmin * mn[2 * c + 1] as f32;
+            let q: &[u8; SUB] = q.try_into().unwrap_or(&[0; SUB]);
+            let (lo, hi) = o.split_at_mut(SUB);
+            for l in 0..SUB {
+                lo[l] = d1 * (q[l] & NIBBLE) as f32 - m1;
+                hi[l] = d2 * (q[l] >> NIBBLE_BITS) as f32 - m2;
+            }
+        }
+    }
+}
+
+fn deq_q5_k(raw: &[u8], out: &mut [f32]) {
+    const SCALES_AT: usize = 2 * F16_BYTES;
+    const QH_AT: usize = SCALES_AT + K_SCALE_BYTES;
+    const QS_AT: usize = QH_AT + QK_K / 8;
+    const SUB: usize = 32;
+    let ts = GgmlType::Q5_K.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK_K)) {
+        let d = half_at(blk, 0);
+        let dmin = half_at(blk, F16_BYTES);
+        let (sc, mn) = k_scale_min(&blk[SCALES_AT..QH_AT]);
+        let qh: &[u8; SUB] = blk[QH_AT..QS_AT].try_into().unwrap_or(&[0; SUB]);
+        let qs = &blk[QS_AT..];
+        for (c, (q, o)) in qs
+            .chunks_exact(SUB)
+            .zip(o.chunks_exact_mut(2 * SUB))
+            .enumerate()
+        {
+            // Sub-block j takes its fifth bit from bit j of every qh byte.
+            let (s1, s2) = (2 * c, 2 * c + 1);
+            let d1 = d * sc[s1] as f32;
+            let m1 = dmin * mn[s1] as f32;
+            let d2 = d * sc[s2] as f32;
+            let m2 = dmin * mn[s2] as f32;
+            let q: &[u8; SUB] = q.try_into().unwrap_or(&[0; SUB]);
+            let (lo, hi) = o.split_at_mut(SUB);
+            for l in 0..SUB {
+                let h1 = ((qh[l] >> s1) & 1) << NIBBLE_BITS;
+                let h2 = ((qh[l] >> s2) & 1) << NIBBLE_BITS;
+                lo[l] = d1 * ((q[l] & NIBBLE) | h1) as f32 - m1;
+                hi[l] = d2 * ((q[l] >> NIBBLE_BITS) | h2) as f32 - m2;
+            }
+        }
+    }
+}
+
+fn deq_q6_k(raw: &[u8], out: &mut [f32]) {
+    const QL_BYTES: usize = QK_K / 2;
+    const QH6_BYTES: usize = QK_K / 4;
+    const SCALES_AT: usize = QL_BYTES + QH6_BYTES;
+    const D_AT: usize = SCALES_AT + QK_K / 16;
+    const HALF: usize = QK_K / 2;
+    const SUB: usize = 32;
+    const SCALE_SPAN: usize = 16;
+    /// Scales per 128-element half, and the scale index step between its 32-element groups.
+    const SCALES_PER_HALF: usize = HALF / SCALE_SPAN;
+    const SC_STEP: usize = SUB / SCALE_SPAN;
+    let ts = GgmlType::Q6_K.type_size();
+    for (blk, o) in raw.chunks_exact(ts).zip(out.chunks_exact_mut(QK_K)) {
+        let d = half_at(blk, D_AT);
+        let scales = &blk[SCALES_AT..D_AT];
+        // Each 128-element half uses 64 bytes of ql, 32 bytes of qh and 8 scales.
+        for h in 0..2 {
+            let ql: &[u8; 2 * SUB] = blk[h * 2 * SUB..(h + 1) * 2 * SUB]
+                .try_into()
+                .unwrap_or(&[0; 2 * SUB]);
+            let qh: &[u8; SUB] = blk[QL_BYTES + h * SUB..QL_BYTES + (h + 1) * SUB]
+                .try_into()
+                .unwrap_or(&[0; SUB]);
+            let sc = &scales[h * SCALES_PER_HALF..(h + 1) * SCALES_PER_HALF];
+            let o = &mut o[h * HALF..(h + 1) * HALF];
+            for l in 0..SUB {
+                let is = l / SCALE_SPAN;
+                // Each qh byte carries the 2 high bits of four values, lowest field first.
+                let hi =
+                    |k: u32| ((qh[l] >> (TWO_BITS.count_ones() * k)) & TWO_BITS) << NIBBLE_BITS;
+                let q1 = ((ql[l] & NIBBLE) | hi(0)) as i32 - Q6_K_OFFSET;
+                let q2 = ((ql[l + SUB] & NIBBLE) | hi(1)) as i32 - Q6_K_OFFSET;
+                let q3 = ((ql[l] >> NIBBLE_BITS) | hi(2)) as i32 - Q6_K_OFFSET;
+                let q4 = ((ql[l + SUB] >> NIBBLE_BITS) | hi(3)) as i32 - Q6_K_OFFSET;
+                o[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                o[l + SUB] = d * (sc[is + SC_STEP] as i8) as f32 * q2 as f32;
+                o[l + 2 * SUB] = d * (sc[is + 2 * SC_STEP] as i8) as f32 * q3 as f32;
+                o[l + 3 * SUB] = d * (sc[is + 3 * SC_STEP] as i8) as f32 * q4 as f32;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_match_ggml() {
+        assert_eq!(GgmlType::Q4_K.type_size(), 144);
+        assert_eq!(GgmlType::Q5_K.type_size(), 176);
+        assert_eq!(GgmlType::Q6_K.type_size(), 210);
+        assert_eq!(GgmlType::Q4_1.type_size(), 20);
+        assert_eq!(GgmlType::Q5_1.type_size(), 24);
+        assert_eq!(GgmlType::Q8_0.type_size(), 34);
+        assert_eq!(GgmlType::IQ4_XS.type_size(), 136);
+        assert_eq!(GgmlType::TQ1_0.type_size(), 54);
+        for t in GgmlType::ALL {
+            assert_eq!(GgmlType::from_id(t.id()), Some(*t));
+        }
+    }
+
+    #[test]
+    fn q8_0_simple() {
+        let mut raw = vec![0u8; 34];
+        raw[..2].copy_from_slice(&f16::from_f32(0.5).to_bits().to_le_bytes());
+        raw[2] = 2;
+        raw[3] = (-4i8) as u8;
+        let v = dequantize(GgmlType::Q8_0, &raw, 32).unwrap();
+        assert_eq!(&v[..3], &[1.0, -2.0, 0.0]);
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        assert!(matches!(
+            dequantize(GgmlType::Q4_0, &[0; 18], 31),
+            Err(QuantError::NotBlockMultiple { .. })
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::Q4_0, &[0; 17], 32),
+            Err(QuantError::ByteLength { .. })
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::Q2_K, &[0; 84], 256),
+            Err(QuantError::Unsupported(GgmlType::Q2_K))
+        ));
+    }
+}

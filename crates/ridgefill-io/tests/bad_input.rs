@@ -1,0 +1,347 @@
+//! Corrupt or inconsistent inputs give typed errors naming the file and the field or tensor.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use ridgefill_io::IoError;
+use ridgefill_io::checkpoint::Checkpoint;
+use ridgefill_io::gguf::GgufFile;
+use ridgefill_io::gguf::writer::GgufWriter;
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+fn tiny_gguf_bytes(faults: &Faults, path: &Path) -> Vec<u8> {
+    gguf_writer(&tiny(), faults).to_bytes(path).unwrap()
+}
+
+fn open_err(path: &Path) -> IoError {
+    Checkpoint::open(path).expect_err("opening must fail")
+}
+
+#[test]
+fn truncated_gguf() {
+    let dir = tmp();
+    let path = dir.path().join("t.gguf");
+    let bytes = tiny_gguf_bytes(&Faults::default(), &path);
+    // Cut in the middle of the first tensor's name, after all metadata.
+    let name = b"token_embd.weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap();
+    std::fs::write(&path, &bytes[..at + name.len() / 2]).unwrap();
+    let err = open_err(&path);
+    assert!(matches!(err, IoError::Truncated { .. }), "{err:?}");
+    assert_names(&err, &path, &["truncated", "tensor info #0 name"]);
+
+    // Cut right after the header: the declared metadata cannot fit.
+    std::fs::write(&path, &bytes[..100]).unwrap();
+    let err = open_err(&path);
+    assert!(matches!(err, IoError::LengthExceedsFile { .. }), "{err:?}");
+    assert_names(&err, &path, &["kv_count"]);
+}
+
+#[test]
+fn wrong_magic() {
+    let dir = tmp();
+    let path = dir.path().join("m.gguf");
+    let mut bytes = tiny_gguf_bytes(&Faults::default(), &path);
+    bytes[..4].copy_from_slice(b"GGML");
+    std::fs::write(&path, &bytes).unwrap();
+    let err = open_err(&path);
+    assert!(matches!(err, IoError::BadMagic { .. }), "{err:?}");
+    assert_names(&err, &path, &["magic", "GGML"]);
+}
+
+#[test]
+fn unsupported_version() {
+    let dir = tmp();
+    let path = dir.path().join("v.gguf");
+    let mut w = gguf_writer(&tiny(), &Faults::default());
+    w.version(1).write(&path).unwrap();
+    let err = open_err(&path);
+    assert!(
+        matches!(err, IoError::UnsupportedVersion { found: 1, .. }),
+        "{err:?}"
+    );
+    assert_names(&err, &path, &["version", "found 1"]);
+}
+
+#[test]
+fn unknown_quant_type() {
+    let dir = tmp();
+    let path = dir.path().join("q.gguf");
+    let mut w = gguf_writer(&tiny(), &Faults::default());
+    w.add_tensor_raw_id("blk.0.mystery.weight", &[32], 99, vec![0; 32]);
+    w.write(&path).unwrap();
+    let err = open_err(&path);
+    assert!(
+        matches!(err, IoError::UnknownGgmlType { type_id: 99, .. }),
+        "{err:?}"
+    );
+    assert_names(&err, &path, &["blk.0.mystery.weight", "99"]);
+}
+
+#[test]
+fn known_but_unsupported_quant_type_fails_on_dequantise() {
+    let dir = tmp();
+    let path = dir.path().join("q2.gguf");
+    let mut w = GgufWriter::new();
+    w.add_tensor_raw(
+        "x.weight",
+        &[256],
+        ridgefill_io::GgmlType::Q2_K,
+        vec![0; 84],
+    );
+    w.write(&path).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    let err = f.dequantize("x.weight").unwrap_err();
+    assert_names(&err, &path, &["x.weight", "Q2_K"]);
+}
+
+#[test]
+fn missing_tensor_gguf() {
+    let dir = tmp();
+    let path = dir.path().join("missing.gguf");
+    let faults = Faults {
+        skip_tensor: Some("model.layers.1.mlp.down_proj.weight"),
+        ..Faults::default()
+    };
+    write_gguf(&tiny(), &path, &faults);
+    let err = open_err(&path);
+    assert!(matches!(err, IoError::MissingTensor { .. }), "{err:?}");
+    assert_names(
+        &err,
+        &path,
+        &["model.layers.1.mlp.down_proj.weight", "not found"],
+    );
+}
+
+#[test]
+fn missing_tensor_hf_and_lookup() {
+    let dir = tmp();
+    let hf = dir.path().join("hf");
+    let faults = Faults {
+        skip_tensor: Some("model.layers.0.self_attn.v_proj.weight"),
+        ..Faults::default()
+    };
+    write_hf_dir(&tiny(), &hf, &faults);
+    let err = open_err(&hf);
+    assert_names(
+        &err,
+        &hf.join("model.safetensors"),
+        &["model.layers.0.self_attn.v_proj.weight"],
+    );
+
+    let ok = dir.path().join("ok");
+    write_hf_dir(&tiny(), &ok, &Faults::default());
+    let c = Checkpoint::open(&ok).unwrap();
+    let err = c
+        .tensor_f32("model.layers.9.self_attn.q_proj.weight")
+        .unwrap_err();
+    assert_names(
+        &err,
+        &ok.join("model.safetensors"),
+        &["model.layers.9.self_attn.q_proj.weight", "not found"],
+    );
+}
+
+#[test]
+fn tensor_shape_contradicts_config() {
+    let dir = tmp();
+    let hf = dir.path().join("hf");
+    let name = "model.layers.1.self_attn.q_proj.weight";
+    let faults = Faults {
+        short_tensor: Some(name),
+        ..Faults::default()
+    };
+    write_hf_dir(&tiny(), &hf, &faults);
+    let err = open_err(&hf);
+    assert!(matches!(err, IoError::ShapeMismatch { .. }), "{err:?}");
+    let expected = format!("{:?}", [HEADS * HEAD_DIM, HIDDEN]);
+    let found = format!("{:?}", [HEADS * HEAD_DIM - 1, HIDDEN]);
+    assert_names(
+        &err,
+        &hf.join("model.safetensors"),
+        &[name, &expected, &found],
+    );
+
+    let gguf = dir.path().join("s.gguf");
+    write_gguf(&tiny(), &gguf, &Faults::default());
+    let mut w = gguf_writer(&tiny(), &Faults::default());
+    w.add_meta("llama.feed_forward_length", (INTERMEDIATE + 32) as u32);
+    w.write(&gguf).unwrap();
+    let err = open_err(&gguf);
+    assert_names(&err, &gguf, &["mlp.", "ffn_", "expected"]);
+}
+
+#[test]
+fn missing_tokenizer_hf() {
+    let dir = tmp();
+    let hf = dir.path().join("hf");
+    let faults = Faults {
+        no_tokenizer: true,
+        ..Faults::default()
+    };
+    write_hf_dir(&tiny(), &hf, &faults);
+    let err = open_err(&hf);
+    assert!(matches!(err, IoError::MissingFile { .. }), "{err:?}");
+    assert_names(&err, &hf.join("tokenizer.json"), &["tokenizer"]);
+}
+
+#[test]
+fn missing_tokenizer_gguf() {
+    let dir = tmp();
+    let path = dir.path().join("notok.gguf");
+    let faults = Faults {
+        no_tokenizer: true,
+        ..Faults::default()
+    };
+    write_gguf(&tiny(), &path, &faults);
+    let err = open_err(&path);
+    assert!(matches!(err, IoError::MissingMetadata { .. }), "{err:?}");
+    assert_names(&err, &path, &["tokenizer.ggml.tokens", "missing"]);
+}
+
+#[test]
+fn unsupported_tokenizer_model() {
+    let dir = tmp();
+    let path = dir.path().join("spm.gguf");
+    let mut w = gguf_writer(&tiny(), &Faults::default());
+    w.add_meta("tokenizer.ggml.model", "llama");
+    w.write(&path).unwrap();
+    let err = open_err(&path);
+    assert!(
+        matches!(err, IoError::UnsupportedTokenizer { .. }),
+        "{err:?}"
+    );
+    assert_names(&err, &path, &["tokenizer.ggml.model", "\"llama\""]);
+}
+
+/// Byte offset of the `offset` field of tensor `name` inside a GGUF written by [`GgufWriter`].
+fn tensor_offset_field(bytes: &[u8], name: &str, n_dims: usize) -> usize {
+    let mut needle = (name.len() as u64).to_le_bytes().to_vec();
+    needle.extend_from_slice(name.as_bytes());
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle.as_slice())
+        .expect("tensor info present");
+    at + needle.len() + 4 + 8 * n_dims + 4
+}
+
+#[test]
+fn tensor_offset_past_end_of_file() {
+    let dir = tmp();
+    let path = dir.path().join("off.gguf");
+    let mut bytes = tiny_gguf_bytes(&Faults::default(), &path);
+    let field = tensor_offset_field(&bytes, "output_norm.weight", 1);
+    let far = (bytes.len() as u64).div_ceil(32) * 32;
+    bytes[field..field + 8].copy_from_slice(&far.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let err = open_err(&path);
+    assert!(matches!(err, IoError::BadTensor { .. }), "{err:?}");
+    assert_names(&err, &path, &["output_norm.weight", "data range"]);
+}
+
+fn push_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn header(n_tensors: u64, n_kv: u64) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend_from_slice(&3u32.to_le_bytes());
+    b.extend_from_slice(&n_tensors.to_le_bytes());
+    b.extend_from_slice(&n_kv.to_le_bytes());
+    b
+}
+
+#[test]
+fn huge_metadata_array_length_is_rejected_without_allocating() {
+    let dir = tmp();
+    let path: PathBuf = dir.path().join("huge.gguf");
+    const ARRAY: u32 = 9;
+    const STRING: u32 = 8;
+    let mut b = header(0, 1);
+    push_str(&mut b, "tokenizer.ggml.tokens");
+    b.extend_from_slice(&ARRAY.to_le_bytes());
+    b.extend_from_slice(&STRING.to_le_bytes());
+    b.extend_from_slice(&(u64::MAX / 2).to_le_bytes());
+    b.extend_from_slice(&[0; 64]);
+    std::fs::write(&path, &b).unwrap();
+    let err = GgufFile::open(&path).unwrap_err();
+    assert!(matches!(err, IoError::LengthExceedsFile { .. }), "{err:?}");
+    assert_names(&err, &path, &["tokenizer.ggml.tokens", "array length"]);
+}
+
+#[test]
+fn huge_counts_and_string_lengths_are_rejected() {
+    let dir = tmp();
+    let path = dir.path().join("counts.gguf");
+    std::fs::write(&path, header(u64::MAX, 0)).unwrap();
+    let err = GgufFile::open(&path).unwrap_err();
+    assert_names(&err, &path, &["tensor_count"]);
+
+    let mut b = header(0, 1);
+    b.extend_from_slice(&(u64::MAX - 3).to_le_bytes());
+    b.extend_from_slice(&[0; 32]);
+    std::fs::write(&path, &b).unwrap();
+    let err = GgufFile::open(&path).unwrap_err();
+    assert!(matches!(err, IoError::Truncated { .. }), "{err:?}");
+    assert_names(&err, &path, &["metadata entry #0 key"]);
+}
+
+#[test]
+fn not_a_checkpoint_and_missing_path() {
+    let dir = tmp();
+    let txt = dir.path().join("notes.txt");
+    std::fs::write(&txt, "hello").unwrap();
+    let err = open_err(&txt);
+    assert!(matches!(err, IoError::NotACheckpoint { .. }), "{err:?}");
+    assert_names(&err, &txt, &["not a checkpoint"]);
+    let empty_dir = dir.path().join("empty");
+    std::fs::create_dir(&empty_dir).unwrap();
+    assert_names(&open_err(&empty_dir), &empty_dir, &["config.json"]);
+    let nothing = dir.path().join("nothing.gguf");
+    assert_names(&open_err(&nothing), &nothing, &["missing"]);
+}
+
+#[test]
+fn bad_config_values() {
+    let dir = tmp();
+    let hf = dir.path().join("hf");
+    write_hf_dir(&tiny(), &hf, &Faults::default());
+    let mut cfg = config_json();
+    cfg["num_key_value_heads"] = serde_json::json!(3);
+    std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
+    let err = open_err(&hf);
+    assert!(matches!(err, IoError::Config { .. }), "{err:?}");
+    assert_names(
+        &err,
+        &hf.join("config.json"),
+        &["num_key_value_heads", "found 3"],
+    );
+
+    std::fs::write(hf.join("config.json"), r#"{"hidden_size": 64}"#).unwrap();
+    let err = open_err(&hf);
+    assert_names(&err, &hf.join("config.json"), &["intermediate_size"]);
+}
+
+#[test]
+fn chat_template_errors_are_typed() {
+    let t = ridgefill_io::ChatTemplate::new("{% if %}".into(), String::new(), String::new());
+    let err = t.unwrap_err().to_string();
+    assert!(err.contains("chat template failed to render"), "{err}");
+    let t = ridgefill_io::ChatTemplate::new(
+        "{{ raise_exception('only user/assistant roles') }}".into(),
+        String::new(),
+        String::new(),
+    )
+    .unwrap();
+    let err = t.render(&[], false).unwrap_err().to_string();
+    assert!(
+        err.contains("chat template failed to render") && err.contains("only user/assistant roles"),
+        "{err}"
+    );
+}
