@@ -1,0 +1,27 @@
+//! Backend-free Llama-family models on burn 0.22: the `Device` picks the backend at run time.
+//!
+//! The model owns only weights; the KV cache and positions live outside it ([`KvCache`]), so one
+//! loaded model serves full prefill, skip-and-fill prefill, decode and scoring alike.
+
+pub mod cache;
+pub mod device;
+pub mod error;
+pub mod fill;
+pub mod llama;
+pub mod rope;
+pub mod sample;
+
+pub use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+pub use cache::KvCache;
+pub use device::{DeviceChoice, DeviceInfo, select_device};
+pub use error::{ModelError, Result};
+pub use llama::Llama;
+pub use sample::{Sampler, SamplerConfig};
+
+/// Copies a tensor back to the host as `f32` (whatever its dtype on the device).
+pub fn to_host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("converted tensor data is f32")
+}

@@ -1,0 +1,466 @@
+//! The Llama architecture (Llama 2/3, SmolLM/SmolLM2, TinyLlama, Mistral without sliding window).
+//!
+//! Fields are named after the Hugging Face tensor keys; projection weights are stored transposed
+//! (`[in, out]`) so every projection is a plain `x · W`.
+
+use std::ops::Range;
+
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData, activation};
+use ridgefill_io::checkpoint::Checkpoint;
+use ridgefill_io::config::ModelConfig;
+
+use crate::cache::KvCache;
+use crate::error::{ModelError, Result};
+use crate::rope::Rope;
+
+/// Architectures this file implements (HF `model_type`).
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral"];
+
+/// One decoder block.
+pub struct LlamaLayer {
+    pub input_layernorm: Tensor<1>,
+    /// HF `q_proj`, `k_proj`, `v_proj` side by side, `[hidden, q_dim + 2·kv_dim]`: one GEMM.
+    pub qkv_proj: Tensor<2>,
+    pub o_proj: Tensor<2>,
+    pub post_attention_layernorm: Tensor<1>,
+    /// HF `gate_proj` and `up_proj` side by side, `[hidden, 2·intermediate]`: one GEMM.
+    pub gate_up_proj: Tensor<2>,
+    pub down_proj: Tensor<2>,
+}
+
+pub struct Llama {
+    pub config: ModelConfig,
+    pub embed_tokens: Tensor<2>,
+    pub layers: Vec<LlamaLayer>,
+    pub norm: Tensor<1>,
+    /// Output head, transposed: `[hidden, vocab]` (a copy of the embedding when tied).
+    pub lm_head: Tensor<2>,
+    pub rope: Rope,
+    pub device: Device,
+    pub dtype: FloatDType,
+}
+
+/// Options for loading a model onto a device.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    pub dtype: FloatDType,
+    /// Positions the RoPE tables cover (the context the caller intends to use).
+    pub max_positions: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            dtype: FloatDType::F32,
+            max_positions: 4096,
+        }
+    }
+}
+
+struct Loader<'a> {
+    ckpt: &'a Checkpoint,
+    device: &'a Device,
+    dtype: FloatDType,
+}
+
+impl Loader<'_> {
+    fn host(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let data = self.ckpt.tensor_f32(name)?;
+        let expected: usize = shape.iter().product();
+        if data.len() != expected {
+            return Err(ModelError::TensorSize {
+                path: self.ckpt.path.clone(),
+                tensor: name.to_string(),
+                expected,
+                found: data.len(),
+                shape: shape.to_vec(),
+            });
+        }
+        if let Some(index) = data.iter().position(|x| !x.is_finite()) {
+            return Err(ModelError::NonFinite {
+                path: self.ckpt.path.clone(),
+                tensor: name.to_string(),
+                index,
+            });
+        }
+        Ok(data)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Tensor<1>> {
+        let data = self.host(name, &[len])?;
+        Ok(Tensor::<1>::from_data(TensorData::new(data, [len]), self.device).cast(self.dtype))
+    }
+
+    /// Loads an HF `[out, in]` weight and stores it as `[in, out]`.
+    fn linear_t(&self, name: &str, out: usize, inp: usize) -> Result<Tensor<2>> {
+        self.fused_t(&[(name.to_string(), out)], inp)
+    }
+
+    /// Loads HF `[out_i, in]` weights and stores them side by side as `[in, Σ out_i]`.
+    fn fused_t(&self, parts: &[(String, usize)], inp: usize) -> Result<Tensor<2>> {
+        let mut rows = Vec::new();
+        let mut total = 0;
+        for (name, out) in parts {
+            rows.extend(self.host(name, &[*out, inp])?);
+            total += out;
+        }
+        Ok(transposed(&rows, total, inp, self.device).cast(self.dtype))
+    }
+
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor<2>> {
+        let data = self.host(name, &[rows, cols])?;
+        Ok(
+            Tensor::<2>::from_data(TensorData::new(data, [rows, cols]), self.device)
+                .cast(self.dtype),
+        )
+    }
+}
+
+/// GGUF name of llama.cpp's per-frequency RoPE divisors, as the checkpoint exposes it.
+const GGUF_ROPE_FREQS: &str = "gguf.rope_freqs.weight";
+
+/// Long-context RoPE divisors: Llama 3 scaling from the config, or a GGUF `rope_freqs` tensor.
+fn rope_divisors(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Option<Vec<f64>>> {
+    let Some(sc) = cfg.rope_scaling.as_ref() else {
+        return Ok(None);
+    };
+    match sc.kind() {
+        Some("llama3") => Ok(Some(ridgefill_io::config::llama3_rope_divisors(
+            sc,
+            cfg.rope_theta,
+            cfg.head_dim(),
+        ))),
+        Some("gguf_rope_freqs") => {
+            let d = ckpt.tensor_f32(GGUF_ROPE_FREQS)?;
+            Ok(Some(d.into_iter().map(f64::from).collect()))
+        }
+        Some("default") | None => Ok(None),
+        Some(other) => Err(ModelError::Invalid(format!(
+            "{}: unsupported rope_scaling type {other:?} (supported: llama3)",
+            ckpt.path.display()
+        ))),
+    }
+}
+
+/// Host-side transpose of a row-major `[rows, cols]` matrix into a `[cols, rows]` tensor.
+fn transposed(data: &[f32], rows: usize, cols: usize, device: &Device) -> Tensor<2> {
+    let mut t = vec![0.0f32; data.len()];
+    for (r, row) in data.chunks_exact(cols).enumerate() {
+        for (c, &x) in row.iter().enumerate() {
+            t[c * rows + r] = x;
+        }
+    }
+    Tensor::from_data(TensorData::new(t, [cols, rows]), device)
+}
+
+impl Llama {
+    /// Loads every weight of `ckpt` onto `device`, checking names, sizes and finiteness.
+    pub fn load(ckpt: &Checkpoint, device: &Device, opts: &LoadOptions) -> Result<Self> {
+        let cfg = ckpt.config.clone();
+        if !SUPPORTED_MODEL_TYPES.contains(&cfg.model_type.as_str()) {
+            return Err(ModelError::UnsupportedArchitecture {
+                path: ckpt.path.clone(),
+                found: cfg.model_type.clone(),
+            });
+        }
+        cfg.validate(&ckpt.path)?;
+        let ld = Loader {
+            ckpt,
+            device,
+            dtype: opts.dtype,
+        };
+        let d = cfg.hidden_size;
+        let q_dim = cfg.num_attention_heads * cfg.head_dim();
+        let kv_dim = cfg.kv_dim();
+        let ff = cfg.intermediate_size;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(LlamaLayer {
+                input_layernorm: ld.vector(&format!("{p}.input_layernorm.weight"), d)?,
+                qkv_proj: ld.fused_t(
+                    &[
+                        (format!("{p}.self_attn.q_proj.weight"), q_dim),
+                        (format!("{p}.self_attn.k_proj.weight"), kv_dim),
+                        (format!("{p}.self_attn.v_proj.weight"), kv_dim),
+                    ],
+                    d,
+                )?,
+                o_proj: ld.linear_t(&format!("{p}.self_attn.o_proj.weight"), d, q_dim)?,
+                post_attention_layernorm: ld
+                    .vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                gate_up_proj: ld.fused_t(
+                    &[
+                        (format!("{p}.mlp.gate_proj.weight"), ff),
+                        (format!("{p}.mlp.up_proj.weight"), ff),
+                    ],
+                    d,
+                )?,
+                down_proj: ld.linear_t(&format!("{p}.mlp.down_proj.weight"), d, ff)?,
+            });
+        }
+        let embed_tokens = ld.matrix("model.embed_tokens.weight", cfg.vocab_size, d)?;
+        let head_name = if cfg.tie_word_embeddings || !ckpt.has_tensor("lm_head.weight") {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let lm_head = ld.linear_t(head_name, cfg.vocab_size, d)?;
+        let norm = ld.vector("model.norm.weight", d)?;
+        let divisors = rope_divisors(ckpt, &cfg)?;
+        let rope = Rope::new(
+            cfg.head_dim(),
+            cfg.rope_theta,
+            divisors.as_deref(),
+            opts.max_positions,
+            opts.dtype,
+            device,
+        );
+        Ok(Self {
+            config: cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            device: device.clone(),
+            dtype: opts.dtype,
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// A cache sized for `capacity` positions (at most the RoPE table's length).
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        let cap = capacity.min(self.rope.max_positions());
+        KvCache::new(
+            self.num_layers(),
+            self.config.num_key_value_heads,
+            self.config.head_dim(),
+            cap,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    /// Token embeddings.
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[n, hidden]`
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor<2>> {
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyInput);
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { id, vocab });
+        }
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
+        Ok(self.embed_tokens.clone().select(0, ids))
+    }
+
+    /// RMSNorm, computed in f32 whatever the activation dtype (f16 squares overflow).
+    ///
+    /// # Shapes
+    /// - x: `[n, hidden]`, weight: `[hidden]` → `[n, hidden]`
+    pub fn rms_norm(&self, x: Tensor<2>, weight: Option<&Tensor<1>>) -> Tensor<2> {
+        let half = self.dtype != FloatDType::F32;
+        let x32 = if half { x.cast(FloatDType::F32) } else { x };
+        let eps = self.config.rms_norm_eps;
+        let inv = x32
+            .clone()
+            .square()
+            .mean_dim(1)
+            .add_scalar(eps)
+            .sqrt()
+            .recip();
+        let y = x32 * inv;
+        let y = if half { y.cast(self.dtype) } else { y };
+        match weight {
+            Some(w) => y * w.clone().unsqueeze_dim::<2>(0),
+            None => y,
+        }
+    }
+
+    /// Runs `layers` over rows at consecutive positions `pos..pos+m`, writing their K/V into
+    /// `cache` and attending to the cache's positions `0..pos+m` (which must already be valid).
+    ///
+    /// # Shapes
+    /// - h: `[m, hidden]` → `[m, hidden]`
+    pub fn forward_layers(
+        &self,
+        mut h: Tensor<2>,
+        layers: Range<usize>,
+        cache: &mut KvCache,
+        pos: usize,
+    ) -> Result<Tensor<2>> {
+        let m = h.dims()[0];
+        if pos + m > cache.capacity() {
+            return Err(ModelError::CacheFull {
+                capacity: cache.capacity(),
+                needed: pos + m,
+            });
+        }
+        for l in layers {
+            h = self.block(l, h, cache, pos);
+        }
+        Ok(h)
+    }
+
+    /// Pre-RoPE key and value projections of normed input rows for layer `l`.
+    ///
+    /// # Shapes
+    /// - x: `[m, hidden]` → (`[1, kv_heads, m, head_dim]`, `[1, kv_heads, m, head_dim]`)
+    pub fn kv_proj(&self, l: usize, x: Tensor<2>) -> (Tensor<4>, Tensor<4>) {
+        let (q_dim, kv_dim) = (self.config.q_dim(), self.config.kv_dim());
+        let kv = x.matmul(self.layers[l].qkv_proj.clone().narrow(1, q_dim, 2 * kv_dim));
+        self.split_kv(kv)
+    }
+
+    /// `[m, 2·kv_dim]` (K columns then V columns) → K and V as `[1, kv_heads, m, hd]`.
+    fn split_kv(&self, kv: Tensor<2>) -> (Tensor<4>, Tensor<4>) {
+        let (kvh, kv_dim) = (self.config.num_key_value_heads, self.config.kv_dim());
+        let k = kv.clone().narrow(1, 0, kv_dim);
+        let v = kv.narrow(1, kv_dim, kv_dim);
+        (self.split_heads(k, kvh), self.split_heads(v, kvh))
+    }
+
+    /// `[m, heads*hd]` → `[1, heads, m, hd]`
+    pub fn split_heads(&self, x: Tensor<2>, heads: usize) -> Tensor<4> {
+        let m = x.dims()[0];
+        x.reshape([1, m, heads, self.config.head_dim()])
+            .swap_dims(1, 2)
+    }
+
+    fn block(&self, l: usize, h: Tensor<2>, cache: &mut KvCache, pos: usize) -> Tensor<2> {
+        let layer = &self.layers[l];
+        let cfg = &self.config;
+        let m = h.dims()[0];
+        let (heads, kv_heads, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
+
+        let x = self.rms_norm(h.clone(), Some(&layer.input_layernorm));
+        let qkv = x.matmul(layer.qkv_proj.clone());
+        let q_dim = heads * hd;
+        let q = self.split_heads(qkv.clone().narrow(1, 0, q_dim), heads);
+        let q = self.rope.apply(q, pos);
+        let (k, v) = self.split_kv(qkv.narrow(1, q_dim, 2 * kv_heads * hd));
+        let k = self.rope.apply(k, pos);
+        cache.write(l, pos, k, v);
+        let (k_all, v_all) = cache.read(l, pos + m);
+        let attn = self.attend(q, k_all, v_all, heads, kv_heads);
+        let attn = attn.swap_dims(1, 2).reshape([m, heads * hd]);
+        let h = h + attn.matmul(layer.o_proj.clone());
+
+        let x = self.rms_norm(h.clone(), Some(&layer.post_attention_layernorm));
+        let ff = cfg.intermediate_size;
+        let gate_up = x.matmul(layer.gate_up_proj.clone());
+        let gate = activation::silu(gate_up.clone().narrow(1, 0, ff));
+        let up = gate_up.narrow(1, ff, ff);
+        h + (gate * up).matmul(layer.down_proj.clone())
+    }
+
+    /// Causal grouped-query attention of the last `m` positions over all `t` cached positions.
+    ///
+    /// # Shapes
+    /// - q: `[1, heads, m, hd]`, k/v: `[1, kv_heads, t, hd]` → `[1, heads, m, hd]`
+    fn attend(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Tensor<4> {
+        let group = heads / kv_heads;
+        let [_, _, t, hd] = k.dims();
+        let (k, v) = if group == 1 {
+            (k, v)
+        } else {
+            let rep = |x: Tensor<4>| {
+                x.unsqueeze_dim::<5>(2)
+                    .expand([1, kv_heads, group, t, hd])
+                    .reshape([1, heads, t, hd])
+            };
+            (rep(k), rep(v))
+        };
+        // Causal masking is aligned bottom-right: query i sits at position t - m + i.
+        let opts = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: true,
+        };
+        attention(q, k, v, None, None, opts)
+    }
+
+    /// Final norm and output head.
+    ///
+    /// # Shapes
+    /// - h: `[m, hidden]` → `[m, vocab]`
+    pub fn head(&self, h: Tensor<2>) -> Tensor<2> {
+        self.rms_norm(h, Some(&self.norm))
+            .matmul(self.lm_head.clone())
+    }
+
+    /// Full prefill of `tokens` after the cache's current contents; returns last-position logits.
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[vocab]`
+    pub fn prefill(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<1>> {
+        let h = self.forward_rows(tokens, cache)?;
+        let n = h.dims()[0];
+        Ok(self
+            .head(h.narrow(0, n - 1, 1))
+            .reshape([self.config.vocab_size]))
+    }
+
+    /// Prefill returning logits for every position (teacher-forced scoring).
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[n, vocab]`
+    pub fn forward_all_logits(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<2>> {
+        let h = self.forward_rows(tokens, cache)?;
+        Ok(self.head(h))
+    }
+
+    /// One decode step; returns the next-token logits.
+    pub fn decode_step(&self, token: u32, cache: &mut KvCache) -> Result<Tensor<1>> {
+        self.prefill(&[token], cache)
+    }
+
+    fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<2>> {
+        let pos = cache.len();
+        let h = self.embed(tokens)?;
+        let h = self.forward_layers(h, 0..self.num_layers(), cache, pos)?;
+        cache.set_len(pos + tokens.len());
+        Ok(h)
+    }
+}
+
+impl Llama {
+    /// Negative log-likelihood of each token after the first, predicted from its prefix.
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[n - 1]`
+    pub fn token_nll(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        if n < 2 {
+            return Ok(Vec::new());
+        }
+        let logits = self.forward_all_logits(&tokens[..n - 1], cache)?;
+        let logp = activation::log_softmax(logits.cast(FloatDType::F32), 1);
+        let targets: Vec<i32> = tokens[1..].iter().map(|&t| t as i32).collect();
+        let targets =
+            Tensor::<2, Int>::from_data(TensorData::new(targets, [n - 1, 1]), &self.device);
+        let picked = logp.gather(1, targets).neg();
+        Ok(crate::to_host_f32(picked))
+    }
+}

