@@ -295,7 +295,7 @@ fn skip_fill_writes_the_maps_predictions_into_the_cache() {
     let w = to_host_f32(maps.w.clone());
     let (d1, kvd, cols) = (c.hidden_size + 1, c.kv_dim(), 2 * c.kv_dim());
     let v_cache = to_host_f32(cache.v[1].clone());
-    let (kvh, hd, cap) = (c.num_key_value_heads, c.head_dim(), cache.capacity());
+    let (hd, cap) = (c.head_dim(), cache.capacity());
     for pos in 1..7 {
         for j in 0..kvd {
             let want: f32 = (0..d1)
@@ -307,7 +307,6 @@ fn skip_fill_writes_the_maps_predictions_into_the_cache() {
                 (got - want).abs() < 1e-3 * (1.0 + want.abs()),
                 "pos {pos} col {j}: {got} vs {want}"
             );
-            let _ = kvh;
         }
     }
 }
