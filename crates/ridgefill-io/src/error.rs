@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use crate::fill::FieldMismatch;
 use crate::quant::QuantError;
 
 /// Result alias used across the crate.
@@ -169,6 +170,53 @@ pub enum IoError {
     /// A chat template failed to compile or render.
     #[error("{}: chat template failed to render: {message}", .path.display())]
     Template { path: PathBuf, message: String },
+
+    /// A tensor holds NaN or infinity where only finite numbers are allowed.
+    #[error(
+        "{}: tensor {tensor:?}: element {index} is {value}, expected a finite number",
+        .path.display()
+    )]
+    NonFinite {
+        path: PathBuf,
+        tensor: String,
+        index: usize,
+        value: f64,
+    },
+
+    /// A tensor the format does not define is present.
+    #[error("{}: unexpected tensor {tensor:?}: expected only {expected}", .path.display())]
+    UnexpectedTensor {
+        path: PathBuf,
+        tensor: String,
+        expected: String,
+    },
+
+    /// A file made for one model is used with another; every differing field is listed.
+    #[error(
+        "{}: {what} was made for a model with {}",
+        .path.display(),
+        FieldMismatch::describe_all(.fields)
+    )]
+    ModelMismatch {
+        path: PathBuf,
+        what: &'static str,
+        fields: Vec<FieldMismatch>,
+    },
+
+    /// Two statistics shards that cannot be summed; names both files.
+    #[error(
+        "{}: cannot merge with {}: {field} differs: {} has {other_value}, this file has {value}",
+        .path.display(),
+        .other.display(),
+        .other.display()
+    )]
+    ShardMismatch {
+        path: PathBuf,
+        other: PathBuf,
+        field: String,
+        value: String,
+        other_value: String,
+    },
 }
 
 impl IoError {
@@ -195,7 +243,11 @@ impl IoError {
             | IoError::NotACheckpoint { path }
             | IoError::Tokenizer { path, .. }
             | IoError::UnsupportedTokenizer { path, .. }
-            | IoError::Template { path, .. } => path,
+            | IoError::Template { path, .. }
+            | IoError::NonFinite { path, .. }
+            | IoError::UnexpectedTensor { path, .. }
+            | IoError::ModelMismatch { path, .. }
+            | IoError::ShardMismatch { path, .. } => path,
         }
     }
 
