@@ -217,6 +217,17 @@ pub enum IoError {
         value: String,
         other_value: String,
     },
+
+    /// A text file is not valid UTF-8 and lossy reading was not asked for.
+    #[error(
+        "{}: not valid UTF-8: invalid byte sequence at byte offset {offset} (read it lossily to replace bad bytes with U+FFFD)",
+        .path.display()
+    )]
+    NotUtf8 { path: PathBuf, offset: usize },
+
+    /// A path given as calibration text yields no non-empty document.
+    #[error("{}: no calibration text: {reason}", .path.display())]
+    NoText { path: PathBuf, reason: String },
 }
 
 impl IoError {
@@ -247,7 +258,9 @@ impl IoError {
             | IoError::NonFinite { path, .. }
             | IoError::UnexpectedTensor { path, .. }
             | IoError::ModelMismatch { path, .. }
-            | IoError::ShardMismatch { path, .. } => path,
+            | IoError::ShardMismatch { path, .. }
+            | IoError::NotUtf8 { path, .. }
+            | IoError::NoText { path, .. } => path,
         }
     }
 

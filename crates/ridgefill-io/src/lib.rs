@@ -10,6 +10,7 @@ pub mod hf;
 pub mod names;
 pub mod quant;
 pub mod stats;
+pub mod text;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
