@@ -8,6 +8,7 @@ pub use ridgefill_io as io;
 pub use ridgefill_model as model;
 
 pub mod fetch;
+pub mod fillfile;
 pub mod resolve;
 pub mod score;
 pub mod session;

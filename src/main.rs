@@ -27,6 +27,10 @@ enum Command {
     Score(commands::score::Args),
     /// Prefill and decode speed, llama-bench style (warm-up, repetitions, mean ± std).
     Bench(commands::bench::Args),
+    /// Fit skip-and-fill maps by ridge regression over calibration text; write a fill file.
+    Fit(commands::fit::Args),
+    /// Fidelity of skip-and-fill against full prefill, drop and own-projection baselines.
+    Eval(commands::eval::Args),
     /// Describe a model: architecture, shapes, dtypes, tokenizer, chat template.
     Info(commands::info::Args),
 }
@@ -39,6 +43,8 @@ fn main() -> ExitCode {
         Command::Score(a) => commands::score::run(a),
         Command::Info(a) => commands::info::run(a),
         Command::Bench(a) => commands::bench::run(a),
+        Command::Fit(a) => commands::fit::run(a),
+        Command::Eval(a) => commands::eval::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -37,7 +37,7 @@ fn bad_inputs_give_clear_errors() {
         ),
         (
             &["generate", "-f", bad_utf8],
-            "not valid UTF-8 at byte offset 3",
+            "not valid UTF-8: invalid byte sequence at byte offset 3",
         ),
         (&["generate", "-f", empty], "empty prompt"),
         (&["generate", "-f", missing], "nope.txt: cannot read"),
@@ -56,8 +56,22 @@ fn bad_inputs_give_clear_errors() {
         ),
         (
             &["score", "--text", bad_utf8],
-            "not valid UTF-8 at byte offset 3",
+            "not valid UTF-8: invalid byte sequence at byte offset 3",
         ),
+        (
+            &["fit", "--split", "15", "--alpha", "lots", "-o", "x.fill"],
+            "--alpha \"lots\"",
+        ),
+        (
+            &["fit", "--split", "15", "--dtype", "f8", "-o", "x.fill"],
+            "--dtype \"f8\"",
+        ),
+        (&["fit", "--split", "15"], "nothing to write"),
+        (
+            &["eval", "--fill", "x.fill", "--text", empty, "--tail", "600"],
+            "leaves no bulk rows",
+        ),
+        (&["generate", "-p", "x", "--fill", missing], "nope.txt"),
     ];
     for (args, needle) in cases {
         let (code, stderr) = run(args);

@@ -45,20 +45,39 @@ pub struct Args {
     /// System message for --chat.
     #[arg(long = "system", requires = "chat")]
     pub system: Option<String>,
+    /// Prefill with skip-and-fill using this fill file (made by `ridgefill fit`).
+    #[arg(long)]
+    pub fill: Option<PathBuf>,
+    #[command(flatten)]
+    pub rows: RowArgs,
+}
+
+/// Which prompt rows run every layer under skip-and-fill.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct RowArgs {
+    /// Last prompt tokens computed exactly (skip-and-fill).
+    #[arg(long, default_value_t = 16)]
+    pub tail: usize,
+    /// First prompt tokens computed exactly: the attention sink (skip-and-fill).
+    #[arg(long, default_value_t = 1)]
+    pub sink: usize,
+}
+
+impl RowArgs {
+    pub fn rows(&self) -> ridgefill::model::fill::FillRows {
+        ridgefill::model::fill::FillRows {
+            sink: self.sink,
+            tail: self.tail,
+        }
+    }
 }
 
 /// Largest context used when the model advertises a longer one (memory for the preallocated cache).
 const DEFAULT_CTX_CAP: usize = 4096;
 
+/// Reads a UTF-8 text file (non-UTF-8 is an error naming the byte offset).
 pub fn read_text(path: &std::path::Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
-    String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{}: not valid UTF-8 at byte offset {}",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })
+    Ok(ridgefill::io::text::read_text_file(path, false)?)
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -117,6 +136,10 @@ pub fn run(a: Args) -> Result<()> {
     }
 
     let model = &loaded.model;
+    let maps = match &a.fill {
+        Some(path) => Some(ridgefill::fillfile::load_maps(path, &loaded.ckpt, model)?.1),
+        None => None,
+    };
     let mut cache = model.new_cache(ids.len() + a.n_predict);
     let mut sampler = Sampler::new(SamplerConfig {
         temperature: a.temp,
@@ -130,7 +153,11 @@ pub fn run(a: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
 
     let t0 = Instant::now();
-    let logits = to_host_f32(model.prefill(&ids, &mut cache)?);
+    let logits = match &maps {
+        Some(maps) => model.prefill_fill(&ids, &mut cache, maps, a.rows.rows())?,
+        None => model.prefill(&ids, &mut cache)?,
+    };
+    let logits = to_host_f32(logits);
     let prefill_s = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
@@ -156,8 +183,12 @@ pub fn run(a: Args) -> Result<()> {
     writeln!(out)?;
     let decode_s = t1.elapsed().as_secs_f64();
     let n = ids.len();
+    let mode = match &maps {
+        Some(m) => format!("fill s={}", m.split),
+        None => "full".to_string(),
+    };
     eprintln!(
-        "device: {} ({}) | load {:.0} ms | prompt {n} tokens | prefill {:.1} ms, {:.1} tok/s | decode {generated} tokens, {:.1} tok/s",
+        "device: {} ({}) | {mode} | load {:.0} ms | prompt {n} tokens | prefill {:.1} ms, {:.1} tok/s | decode {generated} tokens, {:.1} tok/s",
         loaded.device.backend,
         loaded.device.adapter,
         loaded.load_ms,

@@ -1,11 +1,17 @@
 //! Preallocated KV cache kept outside the model, one K and one V tensor per layer.
+//!
+//! Each layer keeps its own count of filled slots: usually every layer holds one slot per
+//! position, but a layer that skipped rows (the `drop` baseline) holds fewer. Keys are rotated
+//! at their true positions before they are written, so a slot's index need not equal its position.
 
 use burn::tensor::{Device, FloatDType, Tensor, s};
 
-/// K/V for every layer, shape `[1, kv_heads, capacity, head_dim]`, valid up to `len`.
+/// K/V for every layer, shape `[1, kv_heads, capacity, head_dim]`, slots `..lens[l]` valid.
 pub struct KvCache {
     pub k: Vec<Tensor<4>>,
     pub v: Vec<Tensor<4>>,
+    lens: Vec<usize>,
+    /// Positions of the sequence processed so far.
     len: usize,
     capacity: usize,
 }
@@ -23,12 +29,13 @@ impl KvCache {
         Self {
             k: (0..layers).map(|_| zeros()).collect(),
             v: (0..layers).map(|_| zeros()).collect(),
+            lens: vec![0; layers],
             len: 0,
             capacity,
         }
     }
 
-    /// Number of positions already written for every layer.
+    /// Positions of the sequence processed so far (the next token's position).
     pub fn len(&self) -> usize {
         self.len
     }
@@ -41,7 +48,12 @@ impl KvCache {
         self.capacity
     }
 
-    /// Marks positions `..len` valid (callers write every layer before advancing).
+    /// Filled slots of `layer`.
+    pub fn layer_len(&self, layer: usize) -> usize {
+        self.lens[layer]
+    }
+
+    /// Marks the sequence as processed up to `len` (callers write every layer first).
     pub fn set_len(&mut self, len: usize) {
         debug_assert!(len <= self.capacity);
         self.len = len;
@@ -50,19 +62,24 @@ impl KvCache {
     /// Forgets everything; the storage is kept for the next sequence.
     pub fn reset(&mut self) {
         self.len = 0;
+        self.lens.iter_mut().for_each(|l| *l = 0);
     }
 
-    /// Writes `k`, `v` (`[1, kv_heads, m, head_dim]`) for `layer` at positions `pos..pos+m`.
-    pub fn write(&mut self, layer: usize, pos: usize, k: Tensor<4>, v: Tensor<4>) {
+    /// Appends `k`, `v` (`[1, kv_heads, m, head_dim]`) to `layer`'s filled slots.
+    pub fn append(&mut self, layer: usize, k: Tensor<4>, v: Tensor<4>) {
         let m = k.dims()[2];
+        let at = self.lens[layer];
+        // Take the old handle so the backend may update the buffer in place.
         let kc = std::mem::replace(&mut self.k[layer], k.clone());
-        self.k[layer] = kc.slice_assign(s![.., .., pos..pos + m, ..], k);
+        self.k[layer] = kc.slice_assign(s![.., .., at..at + m, ..], k);
         let vc = std::mem::replace(&mut self.v[layer], v.clone());
-        self.v[layer] = vc.slice_assign(s![.., .., pos..pos + m, ..], v);
+        self.v[layer] = vc.slice_assign(s![.., .., at..at + m, ..], v);
+        self.lens[layer] = at + m;
     }
 
-    /// K and V of `layer` for positions `0..end`.
-    pub fn read(&self, layer: usize, end: usize) -> (Tensor<4>, Tensor<4>) {
+    /// K and V of `layer`'s filled slots.
+    pub fn read(&self, layer: usize) -> (Tensor<4>, Tensor<4>) {
+        let end = self.lens[layer];
         (
             self.k[layer].clone().narrow(2, 0, end),
             self.v[layer].clone().narrow(2, 0, end),

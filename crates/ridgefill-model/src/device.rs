@@ -110,6 +110,7 @@ fn unavailable(choice: DeviceChoice) -> ModelError {
     )
 }
 
+#[cfg(feature = "wgpu")]
 fn describe_wgpu(pred: impl Fn(&AdapterSummary) -> bool) -> String {
     wgpu_adapters()
         .into_iter()

@@ -74,10 +74,6 @@ impl FillMaps {
             w: Tensor::<2>::from_data(TensorData::new(w, [rows, cols]), device).cast(dtype),
         })
     }
-
-    pub fn upper_layers(&self) -> usize {
-        self.w.dims()[1] / 2
-    }
 }
 
 impl Llama {
@@ -91,7 +87,37 @@ impl Llama {
         Tensor::cat(vec![self.rms_norm(h, None), ones], 1)
     }
 
-    /// Writes predicted K (rotated at each row's own position) and V for layers `split..L`.
+    /// Training-free maps from each upper layer's own K/V projection applied to its input-normed
+    /// `h_split` (the starting point of SwiftKV): `W_l = diag(g_l) · [Wk_l | Wv_l]`, no intercept.
+    pub fn own_proj_maps(&self, split: usize) -> Result<FillMaps> {
+        self.check_split(split)?;
+        let (q_dim, kv_dim) = (self.config.q_dim(), self.config.kv_dim());
+        let zero_row = Tensor::<2>::zeros([1, 2 * kv_dim], &self.device).cast(self.dtype);
+        let cols: Vec<Tensor<2>> = self.layers[split..]
+            .iter()
+            .map(|layer| {
+                let g = layer.input_layernorm.clone().unsqueeze_dim::<2>(1);
+                let w = layer.qkv_proj.clone().narrow(1, q_dim, 2 * kv_dim) * g;
+                Tensor::cat(vec![w, zero_row.clone()], 0)
+            })
+            .collect();
+        Ok(FillMaps {
+            split,
+            w: Tensor::cat(cols, 1),
+        })
+    }
+
+    fn check_split(&self, split: usize) -> Result<()> {
+        let layers = self.num_layers();
+        if split == 0 || split >= layers {
+            return Err(ModelError::Invalid(format!(
+                "split {split} is out of range for a {layers}-layer model (need 0 < split < {layers})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Appends predicted K (rotated at each row's own position) and V to layers `split..L`.
     ///
     /// # Shapes
     /// - h_split: `[b, hidden]` rows at positions `pos..pos+b`
@@ -102,7 +128,7 @@ impl Llama {
         let b = h_split.dims()[0];
         // One GEMM for every upper layer's K and V.
         let y = self.fill_features(h_split).matmul(maps.w.clone());
-        // [b, upper, 2, kvh, hd] → [upper, 2, kvh, b, hd]
+        // [b, upper·2·kvh, hd] → [upper, 2, kvh, b, hd]
         let y = y
             .reshape([b, upper * 2 * kvh, hd])
             .swap_dims(0, 1)
@@ -114,7 +140,7 @@ impl Llama {
         for i in 0..upper {
             let kl = k.clone().narrow(0, i, 1);
             let vl = v.clone().narrow(0, i, 1);
-            cache.write(maps.split + i, pos, kl, vl);
+            cache.append(maps.split + i, kl, vl);
         }
     }
 
@@ -131,32 +157,46 @@ impl Llama {
         maps: &FillMaps,
         rows: FillRows,
     ) -> Result<Tensor<1>> {
+        self.prefill_skip(tokens, cache, maps.split, Some(maps), rows)
+    }
+
+    /// Skips layers `split..L` for the bulk rows; `maps` fills their K/V, or with `None` the upper
+    /// layers never see the bulk (the `drop` baseline: their cache holds sink and tail only).
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[vocab]`
+    pub fn prefill_skip(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        split: usize,
+        maps: Option<&FillMaps>,
+        rows: FillRows,
+    ) -> Result<Tensor<1>> {
         if !cache.is_empty() {
             return Err(ModelError::Invalid(
                 "skip-and-fill prefill needs an empty cache".into(),
             ));
         }
+        self.check_split(split)?;
         let n = tokens.len();
-        let s = maps.split;
         let layers = self.num_layers();
-        if s == 0 || s >= layers {
-            return Err(ModelError::Invalid(format!(
-                "fill split {s} is out of range for a {layers}-layer model (need 0 < split < {layers})"
-            )));
-        }
         let h = self.embed(tokens)?;
-        let h = self.forward_layers(h, 0..s, cache, 0)?;
+        let h = self.forward_layers(h, 0..split, cache, 0)?;
         let sink = rows.sink.min(n);
         let h_last = if sink + rows.tail >= n {
-            self.forward_layers(h, s..layers, cache, 0)?
+            self.forward_layers(h, split..layers, cache, 0)?
                 .narrow(0, n - 1, 1)
         } else {
             let tail0 = n - rows.tail;
             if sink > 0 {
-                self.forward_layers(h.clone().narrow(0, 0, sink), s..layers, cache, 0)?;
+                self.forward_layers(h.clone().narrow(0, 0, sink), split..layers, cache, 0)?;
             }
-            self.fill_cache(maps, h.clone().narrow(0, sink, tail0 - sink), cache, sink);
-            let t = self.forward_layers(h.narrow(0, tail0, rows.tail), s..layers, cache, tail0)?;
+            if let Some(maps) = maps {
+                self.fill_cache(maps, h.clone().narrow(0, sink, tail0 - sink), cache, sink);
+            }
+            let t =
+                self.forward_layers(h.narrow(0, tail0, rows.tail), split..layers, cache, tail0)?;
             t.narrow(0, rows.tail - 1, 1)
         };
         cache.set_len(n);

@@ -6,6 +6,7 @@
 pub mod cache;
 pub mod device;
 pub mod error;
+pub mod eval;
 pub mod fill;
 pub mod llama;
 pub mod rope;

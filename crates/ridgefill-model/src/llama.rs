@@ -287,39 +287,72 @@ impl Llama {
         }
     }
 
-    /// Runs `layers` over rows at consecutive positions `pos..pos+m`, writing their K/V into
-    /// `cache` and attending to the cache's positions `0..pos+m` (which must already be valid).
+    /// Runs `layers` over rows at consecutive positions `pos..pos+m`, appending their K/V to each
+    /// layer's cache slots and attending to everything that layer holds (which must precede them).
     ///
     /// # Shapes
     /// - h: `[m, hidden]` → `[m, hidden]`
     pub fn forward_layers(
         &self,
-        mut h: Tensor<2>,
+        h: Tensor<2>,
         layers: Range<usize>,
         cache: &mut KvCache,
         pos: usize,
     ) -> Result<Tensor<2>> {
+        self.run_layers(h, layers, cache, pos, None)
+    }
+
+    /// As [`Llama::forward_layers`], also returning each layer's pre-RoPE K and V (calibration
+    /// targets).
+    ///
+    /// # Shapes
+    /// - h: `[m, hidden]` → (`[m, hidden]`, per layer `[m, 2·kv_dim]`: K columns then V columns)
+    pub fn forward_layers_capturing(
+        &self,
+        h: Tensor<2>,
+        layers: Range<usize>,
+        cache: &mut KvCache,
+        pos: usize,
+    ) -> Result<(Tensor<2>, Vec<Tensor<2>>)> {
+        let mut kv = Vec::with_capacity(layers.len());
+        let h = self.run_layers(h, layers, cache, pos, Some(&mut kv))?;
+        Ok((h, kv))
+    }
+
+    fn run_layers(
+        &self,
+        mut h: Tensor<2>,
+        layers: Range<usize>,
+        cache: &mut KvCache,
+        pos: usize,
+        mut capture: Option<&mut Vec<Tensor<2>>>,
+    ) -> Result<Tensor<2>> {
         let m = h.dims()[0];
-        if pos + m > cache.capacity() {
+        let needed = layers
+            .clone()
+            .map(|l| cache.layer_len(l) + m)
+            .max()
+            .unwrap_or(0);
+        if needed > cache.capacity() {
             return Err(ModelError::CacheFull {
                 capacity: cache.capacity(),
+                needed,
+            });
+        }
+        if pos + m > self.rope.max_positions() {
+            return Err(ModelError::CacheFull {
+                capacity: self.rope.max_positions(),
                 needed: pos + m,
             });
         }
         for l in layers {
-            h = self.block(l, h, cache, pos);
+            let (next, kv) = self.block(l, h, cache, pos);
+            h = next;
+            if let Some(c) = capture.as_deref_mut() {
+                c.push(kv);
+            }
         }
         Ok(h)
-    }
-
-    /// Pre-RoPE key and value projections of normed input rows for layer `l`.
-    ///
-    /// # Shapes
-    /// - x: `[m, hidden]` → (`[1, kv_heads, m, head_dim]`, `[1, kv_heads, m, head_dim]`)
-    pub fn kv_proj(&self, l: usize, x: Tensor<2>) -> (Tensor<4>, Tensor<4>) {
-        let (q_dim, kv_dim) = (self.config.q_dim(), self.config.kv_dim());
-        let kv = x.matmul(self.layers[l].qkv_proj.clone().narrow(1, q_dim, 2 * kv_dim));
-        self.split_kv(kv)
     }
 
     /// `[m, 2·kv_dim]` (K columns then V columns) → K and V as `[1, kv_heads, m, hd]`.
@@ -337,7 +370,14 @@ impl Llama {
             .swap_dims(1, 2)
     }
 
-    fn block(&self, l: usize, h: Tensor<2>, cache: &mut KvCache, pos: usize) -> Tensor<2> {
+    /// One decoder block; also returns the rows' pre-RoPE K/V, `[m, 2·kv_dim]`.
+    fn block(
+        &self,
+        l: usize,
+        h: Tensor<2>,
+        cache: &mut KvCache,
+        pos: usize,
+    ) -> (Tensor<2>, Tensor<2>) {
         let layer = &self.layers[l];
         let cfg = &self.config;
         let m = h.dims()[0];
@@ -352,10 +392,11 @@ impl Llama {
         let q_dim = heads * hd;
         let q = self.split_heads(qkv.clone().narrow(1, 0, q_dim), heads);
         let q = self.rope.apply(q, pos);
-        let (k, v) = self.split_kv(qkv.narrow(1, q_dim, 2 * kv_heads * hd));
+        let kv_pre = qkv.narrow(1, q_dim, 2 * kv_heads * hd);
+        let (k, v) = self.split_kv(kv_pre.clone());
         let k = self.rope.apply(k, pos);
-        cache.write(l, pos, k, v);
-        let (k_all, v_all) = cache.read(l, pos + m);
+        cache.append(l, k, v);
+        let (k_all, v_all) = cache.read(l);
         let attn = self.attend(q, k_all, v_all, heads, kv_heads);
         let attn = attn.swap_dims(1, 2).reshape([m, heads * hd]);
         let h = h + attn.matmul(layer.o_proj.clone());
@@ -365,7 +406,7 @@ impl Llama {
         let gate_up = x.matmul(layer.gate_up_proj.clone());
         let gate = activation::silu(gate_up.clone().narrow(1, 0, ff));
         let up = gate_up.narrow(1, ff, ff);
-        h + (gate * up).matmul(layer.down_proj.clone())
+        (h + (gate * up).matmul(layer.down_proj.clone()), kv_pre)
     }
 
     /// Causal grouped-query attention of the last `m` positions over all `t` cached positions.

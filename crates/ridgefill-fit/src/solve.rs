@@ -1,0 +1,254 @@
+//! Ridge solve `(XᵀX + λ·I′) W = XᵀY` (Cholesky, intercept unpenalised), α selection by held-out
+//! KL, held-out R², and the fill file.
+
+use faer::linalg::solvers::Solve;
+use faer::{Mat, MatRef, Side};
+use ridgefill_io::fill::{AlphaTrial, FILL_FORMAT_VERSION, FillFile, FillMeta, LayerQuality};
+use ridgefill_io::stats::{Moments, StatsFile};
+use ridgefill_model::eval::{Method, WindowStats};
+use ridgefill_model::fill::{FillMaps, FillRows};
+use ridgefill_model::{Llama, Tensor};
+
+use crate::{FitError, Result};
+
+/// α grid for `--alpha auto`: λ = α·tr(XᵀX)/d spans weak to strong shrinkage.
+pub const DEFAULT_ALPHA_GRID: &[f64] = &[1e-5, 1e-4, 1e-3, 1e-2, 1e-1];
+
+/// Rows needed per feature before the solve is trusted.
+const MIN_ROWS_PER_FEATURE: u64 = 2;
+
+/// Continuation tokens scored per held-out window when choosing α.
+pub const HELDOUT_CONT: usize = 64;
+
+#[derive(Clone, Debug)]
+pub enum AlphaChoice {
+    /// Pick the α of the grid with the lowest held-out KL.
+    Auto(Vec<f64>),
+    Fixed(f64),
+}
+
+#[derive(Clone, Debug)]
+pub struct FitOptions {
+    pub alpha: AlphaChoice,
+    /// Exact rows used when measuring held-out KL (as at run time).
+    pub rows: FillRows,
+    pub created_by: String,
+}
+
+fn moments_view(m: &Moments) -> (MatRef<'_, f64>, MatRef<'_, f64>) {
+    let (f, c) = (m.features(), m.cols());
+    (
+        MatRef::from_row_major_slice(&m.xtx, f, f),
+        MatRef::from_row_major_slice(&m.xty, f, c),
+    )
+}
+
+/// Solves for W (`[features, cols]`) at `alpha`; returns W and λ.
+pub fn ridge_solve(fit: &Moments, alpha: f64) -> Result<(Mat<f64>, f64)> {
+    let f = fit.features();
+    let needed = MIN_ROWS_PER_FEATURE * f as u64;
+    if fit.rows < needed {
+        return Err(FitError::TooFewTokens {
+            rows: fit.rows,
+            features: f,
+            needed,
+        });
+    }
+    let (xtx, xty) = moments_view(fit);
+    // The last feature is the constant 1: its intercept is not penalised.
+    let d = f - 1;
+    let trace: f64 = (0..d).map(|i| xtx[(i, i)]).sum();
+    let lambda = alpha * trace / d as f64;
+    let mut a = xtx.to_owned();
+    for i in 0..d {
+        a[(i, i)] += lambda;
+    }
+    let llt = a
+        .llt(Side::Lower)
+        .map_err(|_| FitError::NotPositiveDefinite { alpha })?;
+    let w = llt.solve(xty);
+    for j in 0..w.ncols() {
+        if (0..w.nrows()).any(|i| !w[(i, j)].is_finite()) {
+            return Err(FitError::NonFinite { alpha, column: j });
+        }
+    }
+    Ok((w, lambda))
+}
+
+/// Held-out R² of K and V per upper layer, from the held-out moments alone.
+pub fn quality(heldout: &Moments, w: &Mat<f64>, split: usize, kv_dim: usize) -> Vec<LayerQuality> {
+    let (g, b) = moments_view(heldout);
+    let n = heldout.rows as f64;
+    let gw = g * w;
+    let upper = w.ncols() / (2 * kv_dim);
+    let mut out = Vec::with_capacity(upper);
+    let r2 = |c0: usize| -> f64 {
+        let (mut sse, mut sst) = (0.0, 0.0);
+        for c in c0..c0 + kv_dim {
+            // ‖y − Xw‖² = yᵀy − 2 wᵀXᵀy + wᵀXᵀXw
+            let mut wb = 0.0;
+            let mut wgw = 0.0;
+            for r in 0..w.nrows() {
+                wb += w[(r, c)] * b[(r, c)];
+                wgw += w[(r, c)] * gw[(r, c)];
+            }
+            sse += heldout.y_sq[c] - 2.0 * wb + wgw;
+            sst += heldout.y_sq[c] - heldout.y_sum[c] * heldout.y_sum[c] / n;
+        }
+        // Constant targets have no variance to explain: report 0 rather than NaN.
+        if sst > 0.0 { 1.0 - sse / sst } else { 0.0 }
+    };
+    for i in 0..upper {
+        out.push(LayerQuality {
+            layer: split + i,
+            r2_k: r2(2 * i * kv_dim),
+            r2_v: r2((2 * i + 1) * kv_dim),
+        });
+    }
+    out
+}
+
+/// Per-layer K and V maps (`[features, kv_dim]` row-major) cut out of W.
+pub fn split_maps(w: &Mat<f64>, kv_dim: usize) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let upper = w.ncols() / (2 * kv_dim);
+    let cut = |c0: usize| -> Vec<f32> {
+        let mut out = Vec::with_capacity(w.nrows() * kv_dim);
+        for r in 0..w.nrows() {
+            for c in c0..c0 + kv_dim {
+                out.push(w[(r, c)] as f32);
+            }
+        }
+        out
+    };
+    (
+        (0..upper).map(|i| cut(2 * i * kv_dim)).collect(),
+        (0..upper).map(|i| cut((2 * i + 1) * kv_dim)).collect(),
+    )
+}
+
+/// Device maps from W.
+pub fn device_maps(model: &Llama, w: &Mat<f64>, split: usize) -> Result<FillMaps> {
+    let (k, v) = split_maps(w, model.config.kv_dim());
+    Ok(FillMaps::from_host(
+        split,
+        model.config.hidden_size,
+        model.config.kv_dim(),
+        &k,
+        &v,
+        model.dtype,
+        &model.device,
+    )?)
+}
+
+/// Full-prefill reference log-probabilities of each held-out window's continuation.
+pub struct HeldoutReference {
+    windows: Vec<(Vec<u32>, Vec<u32>, Tensor<2>)>,
+}
+
+impl HeldoutReference {
+    pub fn new(model: &Llama, windows: &[Vec<u32>], rows: FillRows) -> Result<Self> {
+        let mut out = Vec::new();
+        for w in windows {
+            let cont = HELDOUT_CONT.min(w.len() / 4);
+            // The prefix must keep some bulk rows, or there is nothing to fill.
+            if cont == 0 || w.len() - cont <= rows.sink + rows.tail {
+                continue;
+            }
+            let (prefix, cont) = w.split_at(w.len() - cont);
+            let reference = model.continuation_logp(prefix, cont, Method::Full)?;
+            out.push((prefix.to_vec(), cont.to_vec(), reference));
+        }
+        Ok(Self { windows: out })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.windows.is_empty()
+    }
+
+    /// Mean per-token KL(full ‖ fill) over the held-out continuations.
+    pub fn kl(&self, model: &Llama, maps: &FillMaps, rows: FillRows) -> Result<f64> {
+        let mut total = WindowStats::default();
+        for (prefix, cont, reference) in &self.windows {
+            let logp = model.continuation_logp(prefix, cont, Method::Fill(maps, rows))?;
+            total.add(&model.compare_logp(logp, reference.clone(), cont));
+        }
+        Ok(total.kl / total.tokens.max(1) as f64)
+    }
+}
+
+/// Solves (choosing α when asked), measures held-out quality, and assembles the fill file.
+pub fn fit_fill(
+    model: &Llama,
+    stats: &StatsFile,
+    heldout_windows: &[Vec<u32>],
+    opts: &FitOptions,
+) -> Result<FillFile> {
+    let split = stats.meta.split;
+    let kv_dim = model.config.kv_dim();
+    let reference = HeldoutReference::new(model, heldout_windows, opts.rows)?;
+    let mut grid = Vec::new();
+    let (alpha, w, lambda, kl) = match &opts.alpha {
+        AlphaChoice::Fixed(a) => {
+            let (w, lambda) = ridge_solve(&stats.fit, *a)?;
+            let kl = if reference.is_empty() {
+                None
+            } else {
+                Some(reference.kl(model, &device_maps(model, &w, split)?, opts.rows)?)
+            };
+            (*a, w, lambda, kl)
+        }
+        AlphaChoice::Auto(alphas) => {
+            if reference.is_empty() {
+                return Err(FitError::Invalid(
+                    "--alpha auto needs held-out text to measure KL; give more calibration \
+                     text or a fixed --alpha"
+                        .into(),
+                ));
+            }
+            let mut best: Option<(f64, Mat<f64>, f64, f64)> = None;
+            for &a in alphas {
+                let (w, lambda) = match ridge_solve(&stats.fit, a) {
+                    Ok(r) => r,
+                    Err(FitError::NotPositiveDefinite { .. }) => continue,
+                    Err(e) => return Err(e),
+                };
+                let kl = reference.kl(model, &device_maps(model, &w, split)?, opts.rows)?;
+                grid.push(AlphaTrial {
+                    alpha: a,
+                    lambda,
+                    kl,
+                });
+                if best.as_ref().is_none_or(|b| kl < b.3) {
+                    best = Some((a, w, lambda, kl));
+                }
+            }
+            let (a, w, lambda, kl) = best.ok_or(FitError::NotPositiveDefinite {
+                alpha: alphas.last().copied().unwrap_or(0.0),
+            })?;
+            (a, w, lambda, Some(kl))
+        }
+    };
+    let quality = if stats.heldout.rows > 0 {
+        quality(&stats.heldout, &w, split, kv_dim)
+    } else {
+        Vec::new()
+    };
+    let (k, v) = split_maps(&w, kv_dim);
+    let meta = FillMeta {
+        format_version: FILL_FORMAT_VERSION,
+        model: stats.meta.model.clone(),
+        split,
+        sink: stats.meta.sink,
+        feature: stats.meta.feature.clone(),
+        alpha,
+        lambda,
+        calib_tokens: stats.fit.rows,
+        calib_sources: stats.meta.sources.clone(),
+        heldout_tokens: stats.heldout.rows,
+        quality,
+        heldout_kl: kl,
+        alpha_grid: grid,
+        created_by: opts.created_by.clone(),
+    };
+    Ok(FillFile { meta, k, v })
+}

@@ -1,0 +1,144 @@
+//! Fidelity of a prefill method against full prefill: each method prefills a prefix, then the
+//! continuation is teacher-forced with the full model on top of that cache.
+
+use burn::tensor::{FloatDType, Int, Tensor, TensorData, activation};
+use ridgefill_io::config::ModelConfig;
+
+use crate::error::Result;
+use crate::fill::{FillMaps, FillRows};
+use crate::llama::Llama;
+
+/// How the prefix is prefilled.
+#[derive(Clone, Copy)]
+pub enum Method<'a> {
+    /// Every row runs every layer (the reference).
+    Full,
+    /// Layers `split..L` skipped for the bulk rows, their K/V predicted by `maps`.
+    Fill(&'a FillMaps, FillRows),
+    /// Layers `split..L` never see the bulk rows.
+    Drop(usize, FillRows),
+}
+
+/// Per-window sums over the continuation tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WindowStats {
+    pub tokens: usize,
+    pub nll: f64,
+    pub kl: f64,
+    pub top1: usize,
+}
+
+impl WindowStats {
+    pub fn add(&mut self, o: &WindowStats) {
+        self.tokens += o.tokens;
+        self.nll += o.nll;
+        self.kl += o.kl;
+        self.top1 += o.top1;
+    }
+}
+
+impl Llama {
+    /// Log-probabilities predicting each continuation token after prefilling `prefix` by `method`.
+    ///
+    /// # Shapes
+    /// - prefix: `[p]`, cont: `[c]` → `[c, vocab]`
+    pub fn continuation_logp(
+        &self,
+        prefix: &[u32],
+        cont: &[u32],
+        method: Method,
+    ) -> Result<Tensor<2>> {
+        let mut cache = self.new_cache(prefix.len() + cont.len());
+        let last = match method {
+            Method::Full => self.prefill(prefix, &mut cache)?,
+            Method::Fill(maps, rows) => self.prefill_fill(prefix, &mut cache, maps, rows)?,
+            Method::Drop(split, rows) => {
+                self.prefill_skip(prefix, &mut cache, split, None, rows)?
+            }
+        };
+        let vocab = self.config.vocab_size;
+        let mut parts = vec![last.reshape([1, vocab])];
+        if cont.len() > 1 {
+            parts.push(self.forward_all_logits(&cont[..cont.len() - 1], &mut cache)?);
+        }
+        Ok(activation::log_softmax(
+            Tensor::cat(parts, 0).cast(FloatDType::F32),
+            1,
+        ))
+    }
+
+    /// NLL of `cont`, KL(reference ‖ method) and top-1 agreement, on the host.
+    ///
+    /// # Shapes
+    /// - logp, reference: `[c, vocab]`, cont: `[c]`
+    pub fn compare_logp(&self, logp: Tensor<2>, reference: Tensor<2>, cont: &[u32]) -> WindowStats {
+        let c = cont.len();
+        let targets: Vec<i32> = cont.iter().map(|&t| t as i32).collect();
+        let targets = Tensor::<2, Int>::from_data(TensorData::new(targets, [c, 1]), &self.device);
+        let nll = crate::to_host_f32(logp.clone().gather(1, targets).neg());
+        let kl = crate::to_host_f32(
+            (reference.clone().exp() * (reference.clone() - logp.clone())).sum_dim(1),
+        );
+        let a = crate::to_host_f32(logp.argmax(1).float());
+        let b = crate::to_host_f32(reference.argmax(1).float());
+        WindowStats {
+            tokens: c,
+            nll: nll.iter().map(|&x| x as f64).sum(),
+            kl: kl.iter().map(|&x| x as f64).sum(),
+            top1: a.iter().zip(&b).filter(|(x, y)| x == y).count(),
+        }
+    }
+}
+
+/// Matmul FLOPs of one token through one layer's projections and MLP.
+fn token_layer_flops(c: &ModelConfig) -> f64 {
+    let (d, q, kv, ff) = (
+        c.hidden_size as f64,
+        c.q_dim() as f64,
+        c.kv_dim() as f64,
+        c.intermediate_size as f64,
+    );
+    2.0 * d * (q + 2.0 * kv) + 2.0 * q * d + 2.0 * d * 2.0 * ff + 2.0 * ff * d
+}
+
+/// Attention FLOPs of one query row over `keys` keys (QKᵀ and AV over every head).
+fn attention_flops(c: &ModelConfig, keys: usize) -> f64 {
+    4.0 * keys as f64 * c.q_dim() as f64
+}
+
+/// Prefill FLOPs of `n` tokens; `skip` = (split, rows, filled) for the skip methods.
+pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<(usize, FillRows, bool)>) -> f64 {
+    let layers = c.num_hidden_layers;
+    let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
+    let full_rows = |count_layers: usize| -> f64 {
+        (0..n)
+            .map(|i| token_layer_flops(c) + attention_flops(c, i + 1))
+            .sum::<f64>()
+            * count_layers as f64
+    };
+    let Some((split, rows, filled)) = skip else {
+        return full_rows(layers) + head;
+    };
+    let sink = rows.sink.min(n);
+    if sink + rows.tail >= n {
+        return full_rows(layers) + head;
+    }
+    let tail0 = n - rows.tail;
+    let upper = (layers - split) as f64;
+    let mut upper_rows = 0.0;
+    for i in (0..sink).chain(tail0..n) {
+        let keys = if filled || i < sink {
+            i + 1
+        } else {
+            sink + (i - tail0) + 1
+        };
+        upper_rows += token_layer_flops(c) + attention_flops(c, keys);
+    }
+    let fill = if filled {
+        let bulk = (tail0 - sink) as f64;
+        bulk * 2.0 * (c.hidden_size as f64 + 1.0) * upper * 2.0 * c.kv_dim() as f64
+    } else {
+        0.0
+    };
+    full_rows(split) + upper_rows * upper + fill + head
+}

@@ -1,0 +1,161 @@
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use ridgefill::io::text::collect_documents;
+use ridgefill::model::eval::{Method, WindowStats, prefill_flops};
+
+use super::common::{ModelArgs, load};
+use super::generate::RowArgs;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Fill file made by `ridgefill fit` for this model.
+    #[arg(long)]
+    pub fill: PathBuf,
+    /// Evaluation text: files or directories (Brown is detected and detagged).
+    #[arg(long, num_args = 1.., required = true)]
+    pub text: Vec<PathBuf>,
+    /// Prefix tokens, prefilled by each method.
+    #[arg(long, default_value_t = 512)]
+    pub prefix: usize,
+    /// Continuation tokens, teacher-forced with the full model on top of the prefix's cache.
+    #[arg(long, default_value_t = 64)]
+    pub cont: usize,
+    #[command(flatten)]
+    pub rows: RowArgs,
+    /// Stop after this many windows.
+    #[arg(long)]
+    pub max_windows: Option<usize>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Replace undecodable bytes in text files instead of failing.
+    #[arg(long)]
+    pub lossy: bool,
+}
+
+/// Method names in report order.
+const METHODS: [&str; 4] = ["full", "fill", "drop", "own-proj"];
+
+pub fn run(a: Args) -> Result<()> {
+    if a.prefix == 0 || a.cont == 0 {
+        bail!("--prefix and --cont must be positive");
+    }
+    let rows = a.rows.rows();
+    if rows.sink + rows.tail >= a.prefix {
+        bail!(
+            "--sink {} + --tail {} leaves no bulk rows in a prefix of {}",
+            rows.sink,
+            rows.tail,
+            a.prefix
+        );
+    }
+    let loaded = load(&a.model.load_args(), a.prefix + a.cont)?;
+    let model = &loaded.model;
+    let (file, fill) = ridgefill::fillfile::load_maps(&a.fill, &loaded.ckpt, model)?;
+    let split = file.meta.split;
+    let own = model.own_proj_maps(split)?;
+    let docs = collect_documents(&a.text, a.lossy)?;
+    let len = a.prefix + a.cont;
+    let mut windows = Vec::new();
+    for d in &docs {
+        let ids = loaded.ckpt.tokenizer.encode(&d.text, true)?;
+        windows.extend(ids.chunks_exact(len).map(<[u32]>::to_vec));
+    }
+    if let Some(m) = a.max_windows {
+        windows.truncate(m);
+    }
+    if windows.is_empty() {
+        bail!("no window of {len} tokens in the evaluation text");
+    }
+    let mut totals: BTreeMap<&str, WindowStats> = BTreeMap::new();
+    let bar = indicatif::ProgressBar::new(windows.len() as u64);
+    for w in &windows {
+        let (prefix, cont) = w.split_at(a.prefix);
+        let reference = model.continuation_logp(prefix, cont, Method::Full)?;
+        for name in METHODS {
+            let method = match name {
+                "full" => Method::Full,
+                "fill" => Method::Fill(&fill, rows),
+                "drop" => Method::Drop(split, rows),
+                _ => Method::Fill(&own, rows),
+            };
+            let logp = if name == "full" {
+                reference.clone()
+            } else {
+                model.continuation_logp(prefix, cont, method)?
+            };
+            let s = model.compare_logp(logp, reference.clone(), cont);
+            if !s.nll.is_finite() || !s.kl.is_finite() {
+                bail!("non-finite log-likelihood under method {name}");
+            }
+            totals.entry(name).or_default().add(&s);
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let cfg = &model.config;
+    let full_flops = prefill_flops(cfg, a.prefix, None);
+    let flops = |name: &str| -> f64 {
+        let skip = |filled| Some((split, rows, filled));
+        let f = match name {
+            "full" => full_flops,
+            "drop" => prefill_flops(cfg, a.prefix, skip(false)),
+            _ => prefill_flops(cfg, a.prefix, skip(true)),
+        };
+        f / full_flops
+    };
+    let mut methods = serde_json::Map::new();
+    for name in METHODS {
+        let s = totals[name];
+        let t = s.tokens as f64;
+        methods.insert(
+            name.to_string(),
+            serde_json::json!({
+                "nll": s.nll / t,
+                "kl": s.kl / t,
+                "top1": s.top1 as f64 / t,
+                "flops_ratio": flops(name),
+            }),
+        );
+    }
+    let tokens = totals["full"].tokens;
+    if a.json {
+        let out = serde_json::json!({
+            "windows": windows.len(),
+            "tokens": tokens,
+            "split": split,
+            "prefix": a.prefix,
+            "cont": a.cont,
+            "sink": rows.sink,
+            "tail": rows.tail,
+            "methods": methods,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{} windows, {tokens} continuation tokens | split {split} | prefix {} cont {} | sink {} tail {}",
+            windows.len(),
+            a.prefix,
+            a.cont,
+            rows.sink,
+            rows.tail
+        );
+        println!("| method | NLL | KL(full‖method) | top-1 | prefill FLOPs |");
+        println!("|---|---:|---:|---:|---:|");
+        for name in METHODS {
+            let m = &methods[name];
+            println!(
+                "| {name} | {:.4} | {:.4} | {:.3} | {:.3} |",
+                m["nll"].as_f64().unwrap_or(f64::NAN),
+                m["kl"].as_f64().unwrap_or(f64::NAN),
+                m["top1"].as_f64().unwrap_or(f64::NAN),
+                m["flops_ratio"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+    }
+    Ok(())
+}
