@@ -16,8 +16,14 @@ pub struct Args {
     #[arg(long)]
     pub fill: PathBuf,
     /// Evaluation text: files or directories (Brown is detected and detagged).
-    #[arg(long, num_args = 1.., required = true)]
+    #[arg(long, num_args = 1.., required_unless_present = "passkey")]
     pub text: Vec<PathBuf>,
+    /// Passkey retrieval instead: a 5-digit key hidden at depths 10..90% of filler text.
+    #[arg(long)]
+    pub passkey: bool,
+    /// Prompt lengths (tokens) for --passkey.
+    #[arg(long, value_delimiter = ',', default_value = "512,1024,2048")]
+    pub lengths: Vec<usize>,
     /// Prefix tokens, prefilled by each method.
     #[arg(long, default_value_t = 512)]
     pub prefix: usize,
@@ -53,11 +59,25 @@ pub fn run(a: Args) -> Result<()> {
             a.prefix
         );
     }
-    let loaded = load(&a.model.load_args(), a.prefix + a.cont)?;
+    let positions = if a.passkey {
+        a.lengths.iter().copied().max().unwrap_or(0) + PASSKEY_ANSWER_TOKENS
+    } else {
+        a.prefix + a.cont
+    };
+    let loaded = load(&a.model.load_args(), positions)?;
     let model = &loaded.model;
     let (file, fill) = ridgefill::fillfile::load_maps(&a.fill, &loaded.ckpt, model)?;
     let split = file.meta.split;
     let own = model.own_proj_maps(split)?;
+    if a.passkey {
+        let methods = [
+            ("full", Method::Full),
+            ("fill", Method::Fill(&fill, rows)),
+            ("drop", Method::Drop(split, rows)),
+            ("own-proj", Method::Fill(&own, rows)),
+        ];
+        return passkey(&loaded, &methods, &a.lengths, split, rows, a.json);
+    }
     let docs = collect_documents(&a.text, a.lossy)?;
     let len = a.prefix + a.cont;
     let mut windows = Vec::new();
@@ -155,6 +175,84 @@ pub fn run(a: Args) -> Result<()> {
                 m["top1"].as_f64().unwrap_or(f64::NAN),
                 m["flops_ratio"].as_f64().unwrap_or(f64::NAN)
             );
+        }
+    }
+    Ok(())
+}
+
+/// Greedy tokens generated for the passkey answer.
+const PASSKEY_ANSWER_TOKENS: usize = 8;
+/// Relative depths at which the key is hidden.
+const PASSKEY_DEPTHS: [f64; 5] = [0.1, 0.3, 0.5, 0.7, 0.9];
+const PASSKEY_FILLER: &str =
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
+const PASSKEY_QUESTION: &str = "What is the pass key? The pass key is";
+/// Fixed keys, one per depth, so runs are comparable.
+const PASSKEY_KEYS: [u32; 5] = [68_231, 40_957, 13_586, 92_714, 57_309];
+
+fn passkey(
+    loaded: &ridgefill::session::Loaded,
+    methods: &[(&str, Method)],
+    lengths: &[usize],
+    split: usize,
+    rows: ridgefill::model::fill::FillRows,
+    json: bool,
+) -> Result<()> {
+    let model = &loaded.model;
+    let tok = &loaded.ckpt.tokenizer;
+    let filler_len = tok.encode(PASSKEY_FILLER, false)?.len();
+    let mut results = Vec::new();
+    for &len in lengths {
+        for (name, method) in methods {
+            let mut hits = 0;
+            for (&depth, &key) in PASSKEY_DEPTHS.iter().zip(&PASSKEY_KEYS) {
+                let needle = format!("The pass key is {key}. Remember it. {key} is the pass key. ");
+                let fixed =
+                    tok.encode(&needle, false)?.len() + tok.encode(PASSKEY_QUESTION, false)?.len();
+                let reps = len.saturating_sub(fixed) / filler_len;
+                let before = (reps as f64 * depth).round() as usize;
+                let text = format!(
+                    "{}{needle}{}{PASSKEY_QUESTION}",
+                    PASSKEY_FILLER.repeat(before),
+                    PASSKEY_FILLER.repeat(reps - before)
+                );
+                let ids = tok.encode(&text, true)?;
+                let mut cache = model.new_cache(ids.len() + PASSKEY_ANSWER_TOKENS);
+                let mut logits =
+                    ridgefill::model::to_host_f32(model.prefill_with(&ids, &mut cache, *method)?);
+                let mut answer = Vec::new();
+                for _ in 0..PASSKEY_ANSWER_TOKENS {
+                    let t = ridgefill::model::sample::argmax(&logits);
+                    answer.push(t);
+                    logits = ridgefill::model::to_host_f32(model.decode_step(t, &mut cache)?);
+                }
+                if tok.decode(&answer, true)?.contains(&key.to_string()) {
+                    hits += 1;
+                }
+            }
+            results.push((len, *name, hits as f64 / PASSKEY_DEPTHS.len() as f64));
+        }
+    }
+    if json {
+        let rows_json: Vec<_> = results
+            .iter()
+            .map(|(len, m, acc)| serde_json::json!({"length": len, "method": m, "accuracy": acc}))
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({"split": split, "sink": rows.sink, "tail": rows.tail, "passkey": rows_json})
+        );
+    } else {
+        println!(
+            "passkey retrieval, split {split}, sink {} tail {}, {} depths",
+            rows.sink,
+            rows.tail,
+            PASSKEY_DEPTHS.len()
+        );
+        println!("| length | method | accuracy |");
+        println!("|---:|---|---:|");
+        for (len, m, acc) in results {
+            println!("| {len} | {m} | {acc:.2} |");
         }
     }
     Ok(())

@@ -38,6 +38,23 @@ impl WindowStats {
 }
 
 impl Llama {
+    /// Prefills `tokens` into an empty cache by `method`; returns last-position logits.
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[vocab]`
+    pub fn prefill_with(
+        &self,
+        tokens: &[u32],
+        cache: &mut crate::KvCache,
+        method: Method,
+    ) -> Result<Tensor<1>> {
+        match method {
+            Method::Full => self.prefill(tokens, cache),
+            Method::Fill(maps, rows) => self.prefill_fill(tokens, cache, maps, rows),
+            Method::Drop(split, rows) => self.prefill_skip(tokens, cache, split, None, rows),
+        }
+    }
+
     /// Log-probabilities predicting each continuation token after prefilling `prefix` by `method`.
     ///
     /// # Shapes
