@@ -18,3 +18,4 @@ for split in 10 15 20; do
     echo "split $split tail $tail: $(cat "$out/eval-s$split-t$tail.json")"
   done
 done
+python3 scripts/fidelity_table.py "$out"
