@@ -18,8 +18,9 @@ pub type Result<T> = std::result::Result<T, FitError>;
 pub enum FitError {
     #[error(transparent)]
     Model(#[from] ridgefill_model::ModelError),
+    /// Boxed: the format errors are large and would bloat every `Result` here.
     #[error(transparent)]
-    Io(#[from] ridgefill_io::IoError),
+    Io(Box<ridgefill_io::IoError>),
     #[error(
         "too few calibration tokens for a stable solve: {rows} rows of {features} features; \
          need at least {needed} (give more text or a larger --max-tokens)"
@@ -37,4 +38,10 @@ pub enum FitError {
     Stats { path: PathBuf, message: String },
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<ridgefill_io::IoError> for FitError {
+    fn from(e: ridgefill_io::IoError) -> Self {
+        Self::Io(Box::new(e))
+    }
 }

@@ -4,8 +4,9 @@ pub type Result<T> = std::result::Result<T, ModelError>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// Boxed: the format errors are large and would bloat every `Result` here.
     #[error(transparent)]
-    Io(#[from] ridgefill_io::IoError),
+    Io(Box<ridgefill_io::IoError>),
     #[error("{path}: unsupported architecture {found:?} (supported: llama, mistral)")]
     UnsupportedArchitecture { path: PathBuf, found: String },
     #[error(
@@ -34,4 +35,10 @@ pub enum ModelError {
     DeviceUnavailable(String, String),
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<ridgefill_io::IoError> for ModelError {
+    fn from(e: ridgefill_io::IoError) -> Self {
+        Self::Io(Box::new(e))
+    }
 }
