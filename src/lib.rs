@@ -9,6 +9,7 @@ pub use ridgefill_model as model;
 
 pub mod fetch;
 pub mod fillfile;
+pub mod interrupt;
 pub mod resolve;
 pub mod score;
 pub mod session;

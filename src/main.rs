@@ -31,12 +31,15 @@ enum Command {
     Fit(commands::fit::Args),
     /// Fidelity of skip-and-fill against full prefill, drop and own-projection baselines.
     Eval(commands::eval::Args),
+    /// Measure the device's own ceilings (memory bandwidth, f32 FMA rate) with WGSL kernels.
+    Probe(commands::probe::Args),
     /// Describe a model: architecture, shapes, dtypes, tokenizer, chat template.
     Info(commands::info::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    ridgefill::interrupt::install();
     let result = match cli.command {
         Command::Fetch(a) => commands::fetch::run(a),
         Command::Generate(a) => commands::generate::run(a),
@@ -45,9 +48,15 @@ fn main() -> ExitCode {
         Command::Bench(a) => commands::bench::run(a),
         Command::Fit(a) => commands::fit::run(a),
         Command::Eval(a) => commands::eval::run(a),
+        Command::Probe(a) => commands::probe::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<ridgefill::interrupt::Interrupted>() => {
+            ridgefill::interrupt::restore_terminal();
+            eprintln!("{e}");
+            ExitCode::from(ridgefill::interrupt::EXIT_INTERRUPTED)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

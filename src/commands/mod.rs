@@ -5,4 +5,5 @@ pub mod fetch;
 pub mod fit;
 pub mod generate;
 pub mod info;
+pub mod probe;
 pub mod score;
