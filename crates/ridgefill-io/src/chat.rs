@@ -41,6 +41,13 @@ const WEEKDAYS: [&str; 7] = [
     "Saturday",
     "Sunday",
 ];
+/// Instructions one render may execute: real chat templates need a few hundred per message,
+/// so this allows conversations of thousands of turns while a runaway loop stops in well under a second.
+pub const RENDER_FUEL: u64 = 5_000_000;
+/// Nesting (loops, ifs, macro calls, includes) a render may reach; real templates stay below 10.
+pub const RECURSION_LIMIT: usize = 100;
+/// Nesting `tojson` follows before giving up (a namespace can contain itself).
+pub const TOJSON_MAX_DEPTH: usize = 128;
 /// 1970-01-01 was a Thursday (index 3 from Monday).
 const EPOCH_WEEKDAY: i64 = 3;
 /// Abbreviated month/day names are the first three letters.
@@ -101,6 +108,9 @@ impl ChatTemplate {
         // transformers compiles chat templates with trim_blocks and lstrip_blocks.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // Templates come from model files: bound the work and the nesting of one render.
+        env.set_fuel(Some(RENDER_FUEL));
+        env.set_recursion_limit(RECURSION_LIMIT);
         // Python string/dict methods (.strip(), .startswith(), .items(), ...) used by HF templates.
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
@@ -196,6 +206,14 @@ fn write_py_json(
     level: usize,
 ) -> std::result::Result<(), JinjaError> {
     use minijinja::value::ValueKind;
+    if level >= TOJSON_MAX_DEPTH {
+        return Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "tojson: value nested deeper than {TOJSON_MAX_DEPTH} levels (or containing itself)"
+            ),
+        ));
+    }
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {
             out.push('\n');

@@ -9,7 +9,7 @@ use crate::config::ModelConfig;
 use crate::error::{IoError, Result};
 use crate::gguf::{GGUF_MAGIC, GgufFile};
 use crate::hf::{HfDir, SafetensorsSet};
-use crate::names::{expected_shape, gguf_to_hf, hf_layer_index, required_tensors};
+use crate::names::{expected_shape, gguf_to_hf, hf_layer_index, required_tensors_iter};
 use crate::tokenizer::Tokenizer;
 
 /// GGUF key holding the Jinja chat template.
@@ -97,7 +97,20 @@ impl Checkpoint {
     }
 
     fn open_gguf(path: &Path) -> Result<Checkpoint> {
-        let file = GgufFile::open(path)?;
+        Self::from_gguf_unchecked(GgufFile::open(path)?)
+    }
+
+    /// A checkpoint over an already parsed GGUF (e.g. [`GgufFile::from_bytes`]), with the same
+    /// tensor checks as [`Checkpoint::open`].
+    pub fn from_gguf(file: GgufFile) -> Result<Checkpoint> {
+        let ckpt = Self::from_gguf_unchecked(file)?;
+        ckpt.check_tensors()?;
+        Ok(ckpt)
+    }
+
+    fn from_gguf_unchecked(file: GgufFile) -> Result<Checkpoint> {
+        let path = file.path().to_path_buf();
+        let path = path.as_path();
         let config = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let chat_template = match file.opt_str(KEY_CHAT_TEMPLATE)? {
@@ -201,7 +214,8 @@ impl Checkpoint {
                 });
             }
         }
-        for name in required_tensors(&self.config) {
+        // Lazily: the first missing name turns up within (tensors in the file) / 9 + 1 layers.
+        for name in required_tensors_iter(&self.config) {
             if !self.has_tensor(&name) {
                 return Err(self.missing(&name));
             }
@@ -256,8 +270,22 @@ impl Checkpoint {
         }
     }
 
-    /// A tensor as f32, row-major in HF shape order (GGUF Q/K rows un-permuted).
+    /// A tensor as f32, row-major in HF shape order (GGUF Q/K rows un-permuted). A NaN or
+    /// infinity is an error naming the tensor and the first bad element's index in that order.
     pub fn tensor_f32(&self, hf_name: &str) -> Result<Vec<f32>> {
+        let data = self.tensor_f32_unchecked(hf_name)?;
+        if let Some(index) = data.iter().position(|v| !v.is_finite()) {
+            return Err(IoError::NonFinite {
+                path: self.file_of(hf_name),
+                tensor: self.display_name(hf_name),
+                index,
+                value: f64::from(data[index]),
+            });
+        }
+        Ok(data)
+    }
+
+    fn tensor_f32_unchecked(&self, hf_name: &str) -> Result<Vec<f32>> {
         match &self.source {
             Source::Hf(set) => set.to_f32(hf_name),
             Source::Gguf {

@@ -201,7 +201,12 @@ impl ModelConfig {
     /// Reads and validates a HF `config.json`.
     pub fn from_hf_file(path: &Path) -> Result<ModelConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| IoError::os(path, "read", e))?;
-        let cfg: ModelConfig = serde_json::from_str(&text).map_err(|source| IoError::Json {
+        Self::from_hf_json(path, &text)
+    }
+
+    /// Parses and validates the text of a HF `config.json`; `path` only names it in errors.
+    pub fn from_hf_json(path: &Path, text: &str) -> Result<ModelConfig> {
+        let cfg: ModelConfig = serde_json::from_str(text).map_err(|source| IoError::Json {
             path: path.to_path_buf(),
             source,
         })?;
@@ -303,6 +308,53 @@ impl ModelConfig {
             }
             None => {}
         }
+        let products = [
+            (
+                "num_attention_heads",
+                self.num_attention_heads,
+                "head_dim",
+                self.head_dim(),
+            ),
+            (
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                "head_dim",
+                self.head_dim(),
+            ),
+            (
+                "vocab_size",
+                self.vocab_size,
+                "hidden_size",
+                self.hidden_size,
+            ),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                "hidden_size",
+                self.hidden_size,
+            ),
+            (
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                "hidden_size",
+                self.hidden_size,
+            ),
+        ];
+        for (a, x, b, y) in products {
+            if x.checked_mul(y)
+                .and_then(|p| p.checked_mul(self.hidden_size.max(1)))
+                .is_none()
+            {
+                return Err(bad(
+                    a,
+                    &format!(
+                        "a size whose product with {b} {y} and hidden_size {} fits in usize",
+                        self.hidden_size
+                    ),
+                    x.to_string(),
+                ));
+            }
+        }
         if !self.head_dim().is_multiple_of(2) {
             return Err(bad(
                 "head_dim",
@@ -378,6 +430,8 @@ fn gguf_rope_scaling(g: &GgufFile, arch: &str, cfg: &ModelConfig) -> Result<Opti
     }
     let freqs = g.dequantize(ROPE_FREQS_TENSOR)?;
     let factor = freqs.iter().fold(1.0f64, |m, &f| m.max(f64::from(f)));
+    // head_dim comes from metadata: compare lengths before building head_dim / 2 divisors.
+    let pairs_match = freqs.len() == cfg.head_dim() / 2;
     let llama3 = RopeScaling {
         rope_type: Some("llama3".into()),
         factor: Some(factor),
@@ -386,9 +440,8 @@ fn gguf_rope_scaling(g: &GgufFile, arch: &str, cfg: &ModelConfig) -> Result<Opti
         original_max_position_embeddings: Some(LLAMA3_ORIGINAL_CONTEXT),
         legacy_type: None,
     };
-    let expected = llama3_rope_divisors(&llama3, cfg.rope_theta, cfg.head_dim());
-    let matches = expected.len() == freqs.len()
-        && expected
+    let matches = pairs_match
+        && llama3_rope_divisors(&llama3, cfg.rope_theta, cfg.head_dim())
             .iter()
             .zip(&freqs)
             .all(|(&e, &f)| (e - f64::from(f)).abs() <= ROPE_FREQS_TOLERANCE * e.abs());

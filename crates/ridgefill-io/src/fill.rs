@@ -287,7 +287,15 @@ pub(crate) fn check_common_meta(
 impl FillFile {
     /// Reads and fully validates a fill file (F32 or F16 maps come back as f32).
     pub fn read(path: &Path) -> Result<Self> {
-        let r = Reader::open(path)?;
+        Self::from_reader(path, Reader::open(path)?)
+    }
+
+    /// Like [`FillFile::read`] for a file image held in memory; `path` only names it in errors.
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self> {
+        Self::from_reader(path, Reader::from_bytes(path, bytes)?)
+    }
+
+    fn from_reader(path: &Path, r: Reader) -> Result<Self> {
         let json = r.metadata_json(METADATA_KEY)?;
         container::check_version(path, METADATA_KEY, &json, FILL_FORMAT_VERSION)?;
         let meta: FillMeta = container::parse_meta(

@@ -1,14 +1,13 @@
 //! Hugging Face model directories: config.json, (sharded) safetensors, tokenizer files.
 
 use std::collections::{BTreeMap, HashSet};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::bytes::FileBytes;
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::{IoError, Result};
@@ -29,7 +28,7 @@ const SAFETENSORS_LEN_BYTES: usize = 8;
 
 struct Shard {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: FileBytes,
 }
 
 /// Where one tensor lives.
@@ -119,49 +118,75 @@ impl SafetensorsSet {
 
     /// Opens explicit safetensors files; `origin` names the set in missing-tensor errors.
     pub fn open_files(origin: PathBuf, files: &[PathBuf]) -> Result<SafetensorsSet> {
-        let mut shards = Vec::with_capacity(files.len());
-        let mut entries = BTreeMap::new();
-        for path in files {
-            let file = File::open(path).map_err(|e| IoError::os(path, "open", e))?;
-            // SAFETY: read-only map; we assume the file is not truncated while open.
-            let mmap =
-                unsafe { Mmap::map(&file) }.map_err(|e| IoError::os(path, "memory-map", e))?;
-            let (header_len, meta): (usize, Metadata) =
-                SafeTensors::read_metadata(&mmap).map_err(|e| IoError::Safetensors {
-                    path: path.clone(),
-                    message: e.to_string(),
-                })?;
-            let data_start = SAFETENSORS_LEN_BYTES + header_len;
-            let shard = shards.len();
-            for (name, info) in meta.tensors() {
-                let (s, e) = info.data_offsets;
-                let entry = SafetensorsEntry {
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    shard,
-                    start: data_start + s,
-                    end: data_start + e,
-                };
-                if entries.insert(name.clone(), entry).is_some() {
-                    return Err(IoError::BadTensor {
-                        path: path.clone(),
-                        tensor: name,
-                        what: "name".into(),
-                        expected: "unique across shards".into(),
-                        found: "a duplicate".into(),
-                    });
-                }
-            }
-            shards.push(Shard {
-                path: path.clone(),
-                mmap,
-            });
-        }
-        Ok(SafetensorsSet {
+        let mut set = SafetensorsSet {
             origin,
-            shards,
-            entries,
-        })
+            shards: Vec::with_capacity(files.len()),
+            entries: BTreeMap::new(),
+        };
+        for path in files {
+            set.add_shard(path.clone(), FileBytes::map(path)?)?;
+        }
+        Ok(set)
+    }
+
+    /// One safetensors image held in memory; `path` only names it in errors.
+    pub fn from_bytes(path: PathBuf, bytes: Vec<u8>) -> Result<SafetensorsSet> {
+        let mut set = SafetensorsSet {
+            origin: path.clone(),
+            shards: Vec::new(),
+            entries: BTreeMap::new(),
+        };
+        set.add_shard(path, FileBytes::Owned(bytes))?;
+        Ok(set)
+    }
+
+    fn add_shard(&mut self, path: PathBuf, mmap: FileBytes) -> Result<()> {
+        // read_metadata bounds the header length by the buffer and checks every tensor's
+        // offsets and byte size against its shape and the data section.
+        let (header_len, meta): (usize, Metadata) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| IoError::Safetensors {
+                path: path.clone(),
+                message: format!("{e} (file is {} bytes)", mmap.len()),
+            })?;
+        let data_start = SAFETENSORS_LEN_BYTES + header_len;
+        let shard = self.shards.len();
+        for (name, info) in meta.tensors() {
+            let (s, e) = info.data_offsets;
+            let range = data_start
+                .checked_add(s)
+                .zip(data_start.checked_add(e))
+                .filter(|&(start, end)| start <= end && end <= mmap.len());
+            let Some((start, end)) = range else {
+                return Err(IoError::BadTensor {
+                    path,
+                    tensor: name,
+                    what: "data offsets".into(),
+                    expected: format!(
+                        "a range within the data section ({} bytes)",
+                        mmap.len().saturating_sub(data_start)
+                    ),
+                    found: format!("{s}..{e}"),
+                });
+            };
+            let entry = SafetensorsEntry {
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                shard,
+                start,
+                end,
+            };
+            if self.entries.insert(name.clone(), entry).is_some() {
+                return Err(IoError::BadTensor {
+                    path,
+                    tensor: name,
+                    what: "name".into(),
+                    expected: "unique across shards".into(),
+                    found: "a duplicate".into(),
+                });
+            }
+        }
+        self.shards.push(Shard { path, mmap });
+        Ok(())
     }
 
     /// The index file, or the single weights file.
@@ -226,7 +251,17 @@ impl SafetensorsSet {
             }
         };
         let raw = self.bytes(name)?;
-        let n: usize = e.shape.iter().product();
+        let n = e
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| IoError::BadTensor {
+                path: self.file_of(name).to_path_buf(),
+                tensor: name.to_string(),
+                what: "element count".into(),
+                expected: "a shape whose product fits in usize".into(),
+                found: format!("{:?}", e.shape),
+            })?;
         quant::dequantize(ty, raw, n).map_err(|source| IoError::Dequantize {
             path: self.file_of(name).to_path_buf(),
             tensor: name.to_string(),

@@ -1,10 +1,12 @@
 //! Pure-format readers for RidgeFill (GGUF, HF safetensors, tokenizers, chat templates); weights come out as `Vec<f32>`.
 
+mod bytes;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
 mod error;
 pub mod fill;
+pub mod fuzzing;
 pub mod gguf;
 pub mod hf;
 pub mod names;

@@ -115,21 +115,22 @@ pub fn expected_shape(cfg: &ModelConfig, name: &str) -> Option<Vec<usize>> {
 
 /// HF names every Llama-family checkpoint with this config must contain.
 pub fn required_tensors(cfg: &ModelConfig) -> Vec<String> {
-    let mut names = vec![
-        "model.embed_tokens.weight".to_string(),
-        "model.norm.weight".to_string(),
-    ];
-    if !cfg.tie_word_embeddings {
-        names.push("lm_head.weight".into());
-    }
-    for layer in 0..cfg.num_hidden_layers {
-        names.extend(
-            LAYER_TENSORS
-                .iter()
-                .map(|t| format!("{HF_LAYER_PREFIX}{layer}.{t}")),
-        );
-    }
-    names
+    required_tensors_iter(cfg).collect()
+}
+
+/// [`required_tensors`] lazily: `num_hidden_layers` comes from the file, so a caller looking
+/// for the first missing tensor must not build the whole list first.
+pub fn required_tensors_iter(cfg: &ModelConfig) -> impl Iterator<Item = String> + '_ {
+    let globals = ["model.embed_tokens.weight", "model.norm.weight"]
+        .into_iter()
+        .chain((!cfg.tie_word_embeddings).then_some("lm_head.weight"))
+        .map(str::to_string);
+    let layers = (0..cfg.num_hidden_layers).flat_map(|layer| {
+        LAYER_TENSORS
+            .iter()
+            .map(move |t| format!("{HF_LAYER_PREFIX}{layer}.{t}"))
+    });
+    globals.chain(layers)
 }
 
 #[cfg(test)]

@@ -135,7 +135,15 @@ fn tensor_name(prefix: &str, suffix: &str) -> String {
 impl StatsFile {
     /// Reads and fully validates a statistics file.
     pub fn read(path: &Path) -> Result<Self> {
-        let r = Reader::open(path)?;
+        Self::from_reader(path, Reader::open(path)?)
+    }
+
+    /// Like [`StatsFile::read`] for a file image held in memory; `path` only names it in errors.
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self> {
+        Self::from_reader(path, Reader::from_bytes(path, bytes)?)
+    }
+
+    fn from_reader(path: &Path, r: Reader) -> Result<Self> {
         let json = r.metadata_json(METADATA_KEY)?;
         container::check_version(path, METADATA_KEY, &json, STATS_FORMAT_VERSION)?;
         let meta: StatsMeta = container::parse_meta(

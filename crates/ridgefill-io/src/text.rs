@@ -43,6 +43,11 @@ pub enum TextKind {
 /// Reads a UTF-8 text file (leading BOM dropped); non-UTF-8 is an error naming the file and byte offset, unless `lossy` (then U+FFFD).
 pub fn read_text_file(path: &Path, lossy: bool) -> Result<String> {
     let bytes = std::fs::read(path).map_err(|e| IoError::os(path, "read", e))?;
+    decode_text(path, bytes, lossy)
+}
+
+/// [`read_text_file`] for bytes already in memory; `path` only names them in errors.
+pub fn decode_text(path: &Path, bytes: Vec<u8>, lossy: bool) -> Result<String> {
     let mut text = match String::from_utf8(bytes) {
         Ok(text) => text,
         Err(e) if lossy => String::from_utf8_lossy(e.as_bytes()).into_owned(),
@@ -155,17 +160,20 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 /// Reads one file, detags it when it is Brown, and keeps it unless it is blank.
 fn push_document(path: &Path, lossy: bool, docs: &mut Vec<Document>) -> Result<()> {
     let raw = read_text_file(path, lossy)?;
+    docs.extend(document_from_text(path, raw));
+    Ok(())
+}
+
+/// Detags `raw` when it is Brown; `None` when the result is blank.
+pub fn document_from_text(path: &Path, raw: String) -> Option<Document> {
     let text = match detect_kind(&raw) {
         TextKind::Plain => raw,
         TextKind::BrownTagged => detag_brown(&raw),
     };
-    if !text.trim().is_empty() {
-        docs.push(Document {
-            source: path.display().to_string(),
-            text,
-        });
-    }
-    Ok(())
+    (!text.trim().is_empty()).then(|| Document {
+        source: path.display().to_string(),
+        text,
+    })
 }
 
 /// Files, or directories walked in sorted order (hidden, README*, LICENSE*, *.json, *.md, *.js skipped), detagged when Brown, blank ones dropped.

@@ -6,10 +6,10 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use serde_json::Value;
 
+use crate::bytes::FileBytes;
 use crate::error::{IoError, Result};
 
 /// Bytes of the little-endian header length that starts every safetensors file.
@@ -27,43 +27,27 @@ static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// A safetensors file mapped into memory with its header parsed and checked against its length.
 pub(crate) struct Reader {
     path: PathBuf,
-    bytes: Bytes,
+    bytes: FileBytes,
     data_start: usize,
     meta: Metadata,
 }
 
-/// A file's bytes: a map for real files, an empty buffer for files too short to map.
-enum Bytes {
-    Map(Mmap),
-    Empty,
-}
-
-impl Bytes {
-    fn as_slice(&self) -> &[u8] {
-        match self {
-            Bytes::Map(m) => m,
-            Bytes::Empty => &[],
-        }
-    }
-}
-
 impl Reader {
     pub(crate) fn open(path: &Path) -> Result<Reader> {
-        let file = File::open(path).map_err(|e| IoError::os(path, "open", e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| IoError::os(path, "stat", e))?
-            .len();
-        let bytes = if len == 0 {
-            // Mapping an empty file fails on some platforms; it is simply not safetensors.
-            Bytes::Empty
-        } else {
-            // SAFETY: read-only map; we assume the file is not truncated while open.
-            Bytes::Map(unsafe { Mmap::map(&file) }.map_err(|e| IoError::os(path, "memory-map", e))?)
-        };
-        // The safetensors reader checks every offset and size against the buffer length.
+        Self::from_storage(path, FileBytes::map(path)?)
+    }
+
+    /// A safetensors image held in memory; `path` only names it in errors.
+    pub(crate) fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Reader> {
+        Self::from_storage(path, FileBytes::Owned(bytes))
+    }
+
+    fn from_storage(path: &Path, bytes: FileBytes) -> Result<Reader> {
+        let len = bytes.len();
+        // The safetensors reader bounds the header length by the buffer and checks every
+        // offset and size against it.
         let (header_len, meta) =
-            SafeTensors::read_metadata(bytes.as_slice()).map_err(|e| IoError::Safetensors {
+            SafeTensors::read_metadata(&bytes).map_err(|e| IoError::Safetensors {
                 path: path.to_path_buf(),
                 message: format!("{e} (file is {len} bytes)"),
             })?;
@@ -102,7 +86,13 @@ impl Reader {
     /// A tensor's raw bytes; `info` must come from [`Reader::tensors`] (offsets checked on open).
     fn data(&self, info: &TensorInfo) -> &[u8] {
         let (s, e) = info.data_offsets;
-        &self.bytes.as_slice()[self.data_start + s..self.data_start + e]
+        match (
+            self.data_start.checked_add(s),
+            self.data_start.checked_add(e),
+        ) {
+            (Some(start), Some(end)) => self.bytes.get(start..end).unwrap_or(&[]),
+            _ => &[],
+        }
     }
 
     /// Checks a tensor's shape and dtype; returns its header entry.

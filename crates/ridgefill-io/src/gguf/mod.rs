@@ -4,13 +4,11 @@ mod value;
 pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
-
-use memmap2::Mmap;
 
 pub use value::{MetaArray, MetaValue, ValueType};
 
+use crate::bytes::FileBytes;
 use crate::error::{IoError, Result};
 use crate::quant::{self, GgmlType};
 
@@ -62,10 +60,10 @@ impl GgufTensorInfo {
     }
 }
 
-/// A memory-mapped GGUF file.
+/// A memory-mapped (or in-memory) GGUF file.
 pub struct GgufFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: FileBytes,
     version: u32,
     metadata: BTreeMap<String, MetaValue>,
     tensors: Vec<GgufTensorInfo>,
@@ -90,9 +88,16 @@ impl GgufFile {
     /// Opens and validates a GGUF file; tensor data is mapped, not read.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path).map_err(|e| IoError::os(&path, "open", e))?;
-        // SAFETY: read-only map; like every mmap loader we assume the file is not truncated while open.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| IoError::os(&path, "memory-map", e))?;
+        let bytes = FileBytes::map(&path)?;
+        Self::from_storage(path, bytes)
+    }
+
+    /// Parses and validates a GGUF image held in memory; `path` only names it in errors.
+    pub fn from_bytes(path: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<GgufFile> {
+        Self::from_storage(path.into(), FileBytes::Owned(bytes))
+    }
+
+    fn from_storage(path: PathBuf, mmap: FileBytes) -> Result<GgufFile> {
         let parsed = parse(&path, &mmap)?;
         Ok(GgufFile {
             path,
@@ -169,9 +174,13 @@ impl GgufFile {
 
     /// Raw bytes of a tensor described by `info` (which must come from this file).
     pub fn bytes_of(&self, info: &GgufTensorInfo) -> &[u8] {
-        let start = (self.data_offset + info.offset) as usize;
-        let end = start + info.n_bytes as usize;
-        self.mmap.get(start..end).unwrap_or(&[])
+        // Checked again so a descriptor from another file yields nothing rather than a panic.
+        let range = self
+            .data_offset
+            .checked_add(info.offset)
+            .and_then(|start| Some((start, start.checked_add(info.n_bytes)?)))
+            .and_then(|(s, e)| Some(usize::try_from(s).ok()?..usize::try_from(e).ok()?));
+        range.and_then(|r| self.mmap.get(r)).unwrap_or(&[])
     }
 
     /// Dequantises a tensor to f32 in GGUF storage order (`ne[0]` fastest).
@@ -609,6 +618,8 @@ fn parse(path: &Path, buf: &[u8]) -> Result<Parsed> {
         }
     }
 
+    check_no_overlap(path, &tensors, data_offset)?;
+
     Ok(Parsed {
         version,
         metadata,
@@ -616,6 +627,32 @@ fn parse(path: &Path, buf: &[u8]) -> Result<Parsed> {
         alignment,
         data_offset,
     })
+}
+
+/// Tensor data ranges must not overlap (llama.cpp even requires them back to back), so reading
+/// every tensor touches each byte of the file at most once.
+fn check_no_overlap(path: &Path, tensors: &[GgufTensorInfo], data_offset: u64) -> Result<()> {
+    let mut order: Vec<&GgufTensorInfo> = tensors.iter().filter(|t| t.n_bytes > 0).collect();
+    order.sort_by_key(|t| t.offset);
+    for pair in order.windows(2) {
+        let (prev, next) = (pair[0], pair[1]);
+        // Both ranges were checked to end within the file, so these sums cannot overflow.
+        let prev_end = prev.offset + prev.n_bytes;
+        if next.offset < prev_end {
+            return Err(IoError::BadTensor {
+                path: path.to_path_buf(),
+                tensor: next.name.clone(),
+                what: "data range".into(),
+                expected: format!(
+                    "to start at or after the end of tensor {:?} (data section offset {prev_end}, file offset {})",
+                    prev.name,
+                    data_offset + prev_end
+                ),
+                found: format!("data section offset {}", next.offset),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Rounds `x` up to a multiple of the power of two `align`.
