@@ -345,3 +345,227 @@ fn chat_template_errors_are_typed() {
         "{err}"
     );
 }
+
+/// Writes the tiny GGUF with `edit` applied to its writer; returns the path.
+fn tiny_gguf_with(dir: &Path, name: &str, edit: impl FnOnce(&mut GgufWriter)) -> PathBuf {
+    let path = dir.join(name);
+    let mut w = gguf_writer(&tiny(), &Faults::default());
+    edit(&mut w);
+    w.write(&path).unwrap();
+    path
+}
+
+#[test]
+fn overlapping_tensor_data_is_rejected() {
+    let dir = tmp();
+    let path = dir.path().join("overlap.gguf");
+    let mut bytes = tiny_gguf_bytes(&Faults::default(), &path);
+    // Point output_norm.weight at the first tensor's data (offset 0).
+    let field = tensor_offset_field(&bytes, "output_norm.weight", 1);
+    bytes[field..field + 8].copy_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let err = GgufFile::open(&path).unwrap_err();
+    assert!(matches!(err, IoError::BadTensor { .. }), "{err:?}");
+    assert_names(
+        &err,
+        &path,
+        &[
+            "data range",
+            "to start at or after the end of tensor",
+            "found data section offset",
+        ],
+    );
+    // Same bytes from memory: same check, same message.
+    let from_mem = GgufFile::from_bytes(&path, bytes).unwrap_err();
+    assert_eq!(from_mem.to_string(), err.to_string());
+}
+
+#[test]
+fn config_sizes_whose_products_overflow_are_rejected() {
+    let dir = tmp();
+    let hf = dir.path().join("hf");
+    write_hf_dir(&tiny(), &hf, &Faults::default());
+    let mut cfg = config_json();
+    cfg["vocab_size"] = serde_json::json!(u64::MAX / 2);
+    std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
+    let err = open_err(&hf);
+    assert!(matches!(err, IoError::Config { .. }), "{err:?}");
+    assert_names(
+        &err,
+        &hf.join("config.json"),
+        &["vocab_size", "fits in usize", &(u64::MAX / 2).to_string()],
+    );
+
+    let mut cfg = config_json();
+    cfg["head_dim"] = serde_json::json!(1u64 << 62);
+    let path = hf.join("config.json");
+    let err = ridgefill_io::ModelConfig::from_hf_json(&path, &cfg.to_string()).unwrap_err();
+    assert_names(&err, &path, &["num_attention_heads", "head_dim"]);
+}
+
+#[test]
+fn absurd_layer_count_finds_the_first_missing_layer_quickly() {
+    let dir = tmp();
+    let path = tiny_gguf_with(dir.path(), "layers.gguf", |w| {
+        w.add_meta("llama.block_count", u32::MAX);
+    });
+    let started = std::time::Instant::now();
+    let err = open_err(&path);
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    assert!(matches!(err, IoError::MissingTensor { .. }), "{err:?}");
+    assert_names(
+        &err,
+        &path,
+        &[
+            &format!("model.layers.{LAYERS}.input_layernorm.weight"),
+            "not found",
+        ],
+    );
+}
+
+#[test]
+fn rope_freqs_with_absurd_head_dim_does_not_allocate_it() {
+    let dir = tmp();
+    let huge = 1u64 << 40;
+    let path = tiny_gguf_with(dir.path(), "rope.gguf", |w| {
+        w.add_meta("llama.attention.key_length", huge);
+        w.add_tensor_f32(
+            "rope_freqs.weight",
+            &[(HEAD_DIM / 2) as u64],
+            &[1.0; HEAD_DIM / 2],
+        );
+    });
+    // Reaching the shape check at all means the 2^39 divisors were never built.
+    let err = open_err(&path);
+    assert!(matches!(err, IoError::ShapeMismatch { .. }), "{err:?}");
+    assert_names(&err, &path, &["shape contradicts the config"]);
+}
+
+#[test]
+fn safetensors_header_longer_than_file_is_rejected() {
+    let dir = tmp();
+    let hf = dir.path().join("hf");
+    write_hf_dir(&tiny(), &hf, &Faults::default());
+    let weights = hf.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    bytes[..8].copy_from_slice(&(50_000_000u64).to_le_bytes());
+    std::fs::write(&weights, &bytes).unwrap();
+    let err = open_err(&hf);
+    assert!(matches!(err, IoError::Safetensors { .. }), "{err:?}");
+    assert_names(
+        &err,
+        &weights,
+        &[
+            "invalid safetensors file",
+            &format!("file is {} bytes", bytes.len()),
+        ],
+    );
+}
+
+#[test]
+fn stats_and_fill_headers_longer_than_file_are_rejected() {
+    let dir = tmp();
+    let path = dir.path().join("x.stats");
+    let mut b = (u64::MAX - 2).to_le_bytes().to_vec();
+    b.extend_from_slice(b"{}");
+    std::fs::write(&path, &b).unwrap();
+    let err = ridgefill_io::StatsFile::read(&path).unwrap_err();
+    assert!(matches!(err, IoError::Safetensors { .. }), "{err:?}");
+    assert_names(
+        &err,
+        &path,
+        &["invalid safetensors file", "file is 10 bytes"],
+    );
+    let err = ridgefill_io::FillFile::from_bytes(&path, b).unwrap_err();
+    assert_names(
+        &err,
+        &path,
+        &["invalid safetensors file", "file is 10 bytes"],
+    );
+}
+
+#[test]
+fn nan_weight_in_gguf_names_tensor_and_index() {
+    let dir = tmp();
+    let path = dir.path().join("nan.gguf");
+    let mut t = tiny();
+    let norm = t
+        .tensors
+        .iter_mut()
+        .find(|x| x.hf_name == "model.norm.weight")
+        .unwrap();
+    norm.values[5] = f32::NAN;
+    write_gguf(&t, &path, &Faults::default());
+    // Opening reads no weight data; converting the tensor finds the NaN.
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let err = ckpt.tensor_f32("model.norm.weight").unwrap_err();
+    assert!(
+        matches!(err, IoError::NonFinite { index: 5, .. }),
+        "{err:?}"
+    );
+    assert_names(
+        &err,
+        &path,
+        &[
+            "model.norm.weight (GGUF output_norm.weight)",
+            "element 5 is NaN",
+            "expected a finite number",
+        ],
+    );
+    // Other tensors still convert.
+    ckpt.tensor_f32("model.layers.0.input_layernorm.weight")
+        .unwrap();
+}
+
+#[test]
+fn infinite_weight_in_safetensors_names_tensor_and_index() {
+    let dir = tmp();
+    let hf = dir.path().join("hf");
+    let mut t = tiny();
+    let norm = t
+        .tensors
+        .iter_mut()
+        .find(|x| x.hf_name == "model.layers.1.input_layernorm.weight")
+        .unwrap();
+    norm.values[3] = f32::NEG_INFINITY;
+    write_hf_dir(&t, &hf, &Faults::default());
+    let ckpt = Checkpoint::open(&hf).unwrap();
+    let err = ckpt
+        .tensor_f32("model.layers.1.input_layernorm.weight")
+        .unwrap_err();
+    assert!(
+        matches!(err, IoError::NonFinite { index: 3, .. }),
+        "{err:?}"
+    );
+    assert_names(
+        &err,
+        &hf.join("model.safetensors"),
+        &["model.layers.1.input_layernorm.weight", "element 3 is -inf"],
+    );
+}
+
+#[test]
+fn runaway_chat_templates_stop_with_typed_errors() {
+    let new = |src: &str| {
+        ridgefill_io::ChatTemplate::new(src.into(), String::new(), String::new()).unwrap()
+    };
+    // Endless work: 10^10 iterations run out of fuel.
+    let t =
+        new("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}");
+    let err = t.render(&[], false).unwrap_err().to_string();
+    assert!(
+        err.contains("chat template failed to render") && err.contains("fuel"),
+        "{err}"
+    );
+    // Unbounded recursion: a macro calling itself hits the recursion limit.
+    let t = new("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
+    let err = t.render(&[], false).unwrap_err().to_string();
+    assert!(err.contains("recursion"), "{err}");
+    // A namespace that contains itself: tojson stops at its depth limit.
+    let t = new("{% set ns = namespace(x=1) %}{% set ns.me = ns %}{{ ns | tojson }}");
+    let err = t.render(&[], false).unwrap_err().to_string();
+    assert!(
+        err.contains("tojson") && err.contains("nested deeper"),
+        "{err}"
+    );
+}
