@@ -23,8 +23,11 @@ pub const SEPARATOR: u8 = 0;
 /// Text encoded with tokenizers rebuilt from fuzzed GGUF metadata.
 const PROBE_TEXT: &str = "Hello world, the 3 quick foxes.\n<|im_start|>user";
 
+/// One fuzz entry point.
+pub type Entry = fn(&[u8]);
+
 /// Every target by name, as `fuzz/fuzz_targets/<name>.rs` calls it.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Entry)] = &[
     ("gguf", gguf),
     ("safetensors_hf", safetensors_hf),
     ("fill", fill),
