@@ -46,8 +46,17 @@ const WEEKDAYS: [&str; 7] = [
 pub const RENDER_FUEL: u64 = 5_000_000;
 /// Nesting (loops, ifs, macro calls, includes) a render may reach; real templates stay below 10.
 pub const RECURSION_LIMIT: usize = 100;
-/// Nesting `tojson` follows before giving up (a namespace can contain itself).
+/// Nesting `tojson` follows, and values stored in namespaces may have, before giving up.
 pub const TOJSON_MAX_DEPTH: usize = 128;
+/// Function wrapped around the right-hand side of every `{% set ns.attr = ... %}`.
+const STORE_GUARD: &str = "__ridgefill_store";
+/// Items [`STORE_GUARD`] may inspect in one render before giving up.
+const STORE_WALK_BUDGET: usize = 1_000_000;
+
+thread_local! {
+    /// Items [`STORE_GUARD`] has inspected in the render running on this thread.
+    static STORE_WALKED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 /// 1970-01-01 was a Thursday (index 3 from Monday).
 const EPOCH_WEEKDAY: i64 = 3;
 /// Abbreviated month/day names are the first three letters.
@@ -113,10 +122,11 @@ impl ChatTemplate {
         env.set_recursion_limit(RECURSION_LIMIT);
         // Python string/dict methods (.strip(), .startswith(), .items(), ...) used by HF templates.
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(STORE_GUARD, store_guard);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, src.clone())
+        env.add_template_owned(TEMPLATE_NAME, guard_namespace_stores(&src))
             .map_err(|e| IoError::Template {
                 path: origin.to_path_buf(),
                 message: format!("template does not compile: {}", describe(&e)),
@@ -158,6 +168,7 @@ impl ChatTemplate {
             bos_token => self.bos.as_str(),
             eos_token => self.eos.as_str(),
         };
+        STORE_WALKED.with(|w| w.set(0));
         let ctx = if extra.is_undefined() {
             base
         } else {
@@ -176,6 +187,137 @@ fn describe(e: &JinjaError) -> String {
         src = s.source();
     }
     msg
+}
+
+/// Wraps the value of every `{% set a.b = value %}` in [`STORE_GUARD`].
+///
+/// A namespace stored inside a namespace can come to contain itself, and minijinja's printing,
+/// comparison and sorting then recurse until the stack overflows (an abort, not an error). Only
+/// `set` assigns attributes, so guarding its right-hand side keeps every namespace acyclic.
+fn guard_namespace_stores(src: &str) -> String {
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(i) = rest.find("{%") {
+        out.push_str(&rest[..i]);
+        let tag = &rest[i..];
+        match dotted_set_value(tag) {
+            Some((value_start, value_end)) => {
+                out.push_str(&tag[..value_start]);
+                out.push_str(&format!(" {STORE_GUARD}(("));
+                out.push_str(&tag[value_start..value_end]);
+                out.push_str("))");
+                rest = &tag[value_end..];
+            }
+            None => {
+                out.push_str("{%");
+                rest = &tag[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// For a tag starting `{% set <targets with a dot> = value %}`, the byte range of `value`.
+fn dotted_set_value(tag: &str) -> Option<(usize, usize)> {
+    let after = &tag[2..];
+    let after = after.strip_prefix(['-', '+']).unwrap_or(after).trim_start();
+    let targets_and_value = after.strip_prefix("set")?;
+    if !targets_and_value.starts_with(char::is_whitespace) {
+        return None;
+    }
+    let eq = targets_and_value.find('=')?;
+    let targets = &targets_and_value[..eq];
+    let target_char = |c: char| c.is_alphanumeric() || "_.,() \t\r\n".contains(c);
+    if !targets.contains('.') || !targets.chars().all(target_char) {
+        return None;
+    }
+    let value_start = tag.len() - targets_and_value.len() + eq + 1;
+    if tag[value_start..].starts_with('=') {
+        return None;
+    }
+    let len = block_value_len(&tag[value_start..])?;
+    Some((value_start, value_start + len))
+}
+
+/// Length of a block's expression: up to its `%}` (or `-%}`) outside string literals.
+fn block_value_len(s: &str) -> Option<usize> {
+    let bytes = s.as_bytes();
+    let mut quote = None;
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        match quote {
+            Some(_) if b == b'\\' => i += 1,
+            Some(q) if b == q => quote = None,
+            Some(_) => {}
+            None if b == b'\'' || b == b'"' => quote = Some(b),
+            None if bytes[i..].starts_with(b"%}") => {
+                let trimmed = i > 0 && matches!(bytes[i - 1], b'-' | b'+');
+                return Some(if trimmed { i - 1 } else { i });
+            }
+            None => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// `__ridgefill_store(value)`: `value` unchanged, unless it holds a namespace.
+fn store_guard(value: Value) -> std::result::Result<Value, JinjaError> {
+    let namespace_type = minijinja::functions::namespace(None)?
+        .as_object()
+        .map(|o| o.type_name());
+    check_no_namespace(&value, namespace_type, 0)?;
+    Ok(value)
+}
+
+fn check_no_namespace(
+    v: &Value,
+    namespace_type: Option<&'static str>,
+    depth: usize,
+) -> std::result::Result<(), JinjaError> {
+    use minijinja::value::ValueKind;
+    if depth >= TOJSON_MAX_DEPTH {
+        return Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!("values stored in namespaces may nest at most {TOJSON_MAX_DEPTH} levels"),
+        ));
+    }
+    let walked = STORE_WALKED.with(|w| {
+        let n = w.get() + 1;
+        w.set(n);
+        n
+    });
+    if walked > STORE_WALK_BUDGET {
+        return Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!("values stored in namespaces hold more than {STORE_WALK_BUDGET} items in all"),
+        ));
+    }
+    let Some(obj) = v.as_object() else {
+        return Ok(());
+    };
+    if Some(obj.type_name()) == namespace_type {
+        return Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            "a namespace cannot be stored inside a namespace (it could come to contain itself)",
+        ));
+    }
+    match v.kind() {
+        ValueKind::Seq | ValueKind::Iterable => {
+            for item in v.try_iter()? {
+                check_no_namespace(&item, namespace_type, depth + 1)?;
+            }
+        }
+        ValueKind::Map => {
+            for key in v.try_iter()? {
+                check_no_namespace(&v.get_item(&key)?, namespace_type, depth + 1)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// HF templates call `raise_exception(msg)` to reject a conversation.

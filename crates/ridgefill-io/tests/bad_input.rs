@@ -561,11 +561,42 @@ fn runaway_chat_templates_stop_with_typed_errors() {
     let t = new("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
     let err = t.render(&[], false).unwrap_err().to_string();
     assert!(err.contains("recursion"), "{err}");
-    // A namespace that contains itself: tojson stops at its depth limit.
-    let t = new("{% set ns = namespace(x=1) %}{% set ns.me = ns %}{{ ns | tojson }}");
-    let err = t.render(&[], false).unwrap_err().to_string();
-    assert!(
-        err.contains("tojson") && err.contains("nested deeper"),
-        "{err}"
-    );
+}
+
+#[test]
+fn namespaces_cannot_be_stored_in_namespaces() {
+    let render = |src: &str| {
+        ridgefill_io::ChatTemplate::new(src.into(), String::new(), String::new())
+            .unwrap()
+            .render(&[], false)
+    };
+    // Each of these made minijinja recurse until the stack overflowed (an abort).
+    for src in [
+        "{% set ns = namespace(x=1) %}{% set ns.me = ns %}{{ ns }}",
+        "{% set ns = namespace(x=1) %}{% set ns.l = [1, {'k': ns}] %}{{ ns == ns }}",
+        "{% set a = namespace() %}{% set b = namespace(a=a) %}{%- set a.b, c = b, 1 -%}{{ a|string }}",
+        "{% set ns = namespace(x=1) %}{% set ns.s = [ns]|select %}{{ ns|dictsort }}",
+    ] {
+        let err = render(src).unwrap_err().to_string();
+        assert!(
+            err.contains("chat template failed to render")
+                && err.contains("a namespace cannot be stored inside a namespace"),
+            "{src}: {err}"
+        );
+    }
+    // Ordinary namespace use is untouched, including strings that look like tags.
+    let out = render(
+        "{% set ns = namespace(n=0, s='') %}{% for i in range(3) %}{% set ns.n = ns.n + i %}\
+         {%- set ns.s = ns.s ~ '%}' ~ \"{% set x.y = 1 %}\" -%}{% endfor %}{{ ns.n }} {{ ns.s|length }}\
+         {% set ns.l = [1, [2, {'a': 3}]] %}{{ ns.l|tojson }}{% set ns.t %}block{% endset %}{{ ns.t }}",
+    )
+    .unwrap();
+    assert_eq!(out, "3 57[1, [2, {\"a\": 3}]]block");
+    // Deep values built by storing a value inside itself run out of the walk budget or depth.
+    let err = render(
+        "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("nest at most"), "{err}");
 }
