@@ -49,9 +49,13 @@ fn windows(
     docs: &[Document],
     ctx: usize,
     sink: usize,
+    stop: &dyn Fn() -> bool,
 ) -> Result<Vec<(usize, Vec<u32>)>> {
     let mut out = Vec::new();
     for (i, d) in docs.iter().enumerate() {
+        if stop() {
+            return Err(FitError::Stopped);
+        }
         let ids = tok.encode(&d.text, true)?;
         for w in ids.chunks(ctx) {
             if w.len() >= sink + MIN_WINDOW_ROWS {
@@ -70,6 +74,18 @@ pub fn accumulate_window(
     sink: usize,
     m: &mut Moments,
 ) -> Result<()> {
+    accumulate_window_at(model, window, split, sink, m, 0)
+}
+
+/// [`accumulate_window`] for the `index`-th window of a pass (named in errors).
+fn accumulate_window_at(
+    model: &Llama,
+    window: &[u32],
+    split: usize,
+    sink: usize,
+    m: &mut Moments,
+    index: usize,
+) -> Result<()> {
     let n = window.len();
     let layers = model.num_layers();
     let mut cache = model.new_cache(n);
@@ -82,10 +98,18 @@ pub fn accumulate_window(
     let (f, cols) = (m.features(), m.cols());
     let x = to_host_f32(x);
     let y = to_host_f32(y);
-    if let Some(i) = x.iter().chain(&y).position(|v| !v.is_finite()) {
-        return Err(FitError::Invalid(format!(
-            "non-finite activation (index {i}) in a calibration window: the model overflowed"
-        )));
+    for (what, data, width) in [
+        ("hidden state entering the split layer", &x, f),
+        ("upper-layer K/V", &y, cols),
+    ] {
+        if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+            return Err(FitError::NonFiniteActivation {
+                what,
+                window: index,
+                position: sink + i / width,
+                value: data[i],
+            });
+        }
     }
     let xm = Mat::<f64>::from_fn(rows, f, |i, j| x[i * f + j] as f64);
     let ym = Mat::<f64>::from_fn(rows, cols, |i, j| y[i * cols + j] as f64);
@@ -118,6 +142,17 @@ pub fn accumulate_window(
     Ok(())
 }
 
+/// Hooks into a calibration pass.
+pub struct Control<'a> {
+    /// Called once before the first window (`tokens_done` 0) and after every window.
+    pub progress: &'a mut dyn FnMut(Progress),
+    /// Polled between documents and windows; `true` ends the pass with [`FitError::Stopped`].
+    pub stop: &'a dyn Fn() -> bool,
+    /// Fail with [`FitError::TooFewTokens`] before the pass when the fit windows cannot reach
+    /// [`crate::min_rows`]. Off for statistics shards, which are summed before any solve.
+    pub require_solvable: bool,
+}
+
 /// One pass over `docs`: the first windows (up to `max_tokens`) feed the fit, the following
 /// documents' windows the held-out moments.
 pub fn calibrate(
@@ -128,6 +163,29 @@ pub fn calibrate(
     cfg: &CalibConfig,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Calibration> {
+    calibrate_with(
+        model,
+        fingerprint,
+        tok,
+        docs,
+        cfg,
+        Control {
+            progress,
+            stop: &|| false,
+            require_solvable: false,
+        },
+    )
+}
+
+/// [`calibrate`] with a stop hook and an early check that the text is enough for a solve.
+pub fn calibrate_with(
+    model: &Llama,
+    fingerprint: ModelFingerprint,
+    tok: &Tokenizer,
+    docs: &[Document],
+    cfg: &CalibConfig,
+    ctl: Control<'_>,
+) -> Result<Calibration> {
     let layers = model.num_layers();
     if cfg.split == 0 || cfg.split >= layers {
         return Err(FitError::Invalid(format!(
@@ -135,7 +193,20 @@ pub fn calibrate(
             cfg.split
         )));
     }
-    let all = windows(tok, docs, cfg.ctx, cfg.sink)?;
+    if cfg.ctx < cfg.sink + MIN_WINDOW_ROWS {
+        return Err(FitError::Invalid(format!(
+            "--ctx {} is too short: each window needs the {} sink token(s) plus at least \
+             {MIN_WINDOW_ROWS} rows",
+            cfg.ctx, cfg.sink
+        )));
+    }
+    if !(0.0..1.0).contains(&cfg.heldout_fraction) {
+        return Err(FitError::Invalid(format!(
+            "held-out fraction {} is outside [0, 1)",
+            cfg.heldout_fraction
+        )));
+    }
+    let all = windows(tok, docs, cfg.ctx, cfg.sink, ctl.stop)?;
     let total: usize = all.iter().map(|(_, w)| w.len()).sum();
     let fit_budget = cfg
         .max_tokens
@@ -165,16 +236,39 @@ pub fn calibrate(
         used_docs.insert(doc);
     }
     let features = model.config.hidden_size + 1;
+    if ctl.require_solvable {
+        let rows: u64 = fit_windows
+            .iter()
+            .map(|w| (w.len() - cfg.sink) as u64)
+            .sum();
+        let needed = crate::min_rows(features);
+        if rows < needed {
+            return Err(FitError::TooFewTokens {
+                rows,
+                features,
+                needed,
+            });
+        }
+    }
     let cols = (layers - cfg.split) * 2 * model.config.kv_dim();
     let mut fit = Moments::zeros(features, cols);
     let mut heldout = Moments::zeros(features, cols);
     let work = fit_tokens + held_tokens;
     let mut done = 0;
+    (ctl.progress)(Progress {
+        tokens_done: 0,
+        tokens_total: work,
+    });
+    let mut index = 0;
     for (set, m) in [(&fit_windows, &mut fit), (&heldout_windows, &mut heldout)] {
         for w in set {
-            accumulate_window(model, w, cfg.split, cfg.sink, m)?;
+            if (ctl.stop)() {
+                return Err(FitError::Stopped);
+            }
+            accumulate_window_at(model, w, cfg.split, cfg.sink, m, index)?;
+            index += 1;
             done += w.len();
-            progress(Progress {
+            (ctl.progress)(Progress {
                 tokens_done: done,
                 tokens_total: work,
             });

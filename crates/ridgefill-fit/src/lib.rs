@@ -7,8 +7,10 @@
 pub mod calibrate;
 pub mod solve;
 
-pub use calibrate::{CalibConfig, Calibration, Progress, calibrate};
-pub use solve::{AlphaChoice, FitOptions, fit_fill, ridge_solve};
+pub use calibrate::{CalibConfig, Calibration, Control, Progress, calibrate, calibrate_with};
+pub use solve::{
+    AlphaChoice, FitOptions, MIN_ROWS_PER_FEATURE, fit_fill, fit_fill_until, min_rows, ridge_solve,
+};
 
 use std::path::PathBuf;
 
@@ -22,8 +24,10 @@ pub enum FitError {
     #[error(transparent)]
     Io(Box<ridgefill_io::IoError>),
     #[error(
-        "too few calibration tokens for a stable solve: {rows} rows of {features} features; \
-         need at least {needed} (give more text or a larger --max-tokens)"
+        "too few calibration tokens for a stable solve: {rows} rows (tokens after each window's \
+         sink) for {features} features; need at least {needed} ({per_feature} per feature; \
+         give more text or a larger --max-tokens)",
+        per_feature = solve::MIN_ROWS_PER_FEATURE
     )]
     TooFewTokens {
         rows: u64,
@@ -32,8 +36,43 @@ pub enum FitError {
     },
     #[error("the ridge system is not positive definite at alpha {alpha} (try a larger --alpha)")]
     NotPositiveDefinite { alpha: f64 },
-    #[error("the fitted maps contain a non-finite value at alpha {alpha} (column {column})")]
-    NonFinite { alpha: f64, column: usize },
+    #[error(
+        "the fitted maps contain a non-finite value ({value}) at alpha {alpha}: row {row}, \
+         column {column} of the solution (the statistics are ill-conditioned or overflowed; \
+         try a larger --alpha)"
+    )]
+    NonFinite {
+        alpha: f64,
+        row: usize,
+        column: usize,
+        value: f64,
+    },
+    /// The fitted maps make the model overflow on held-out text.
+    #[error(
+        "held-out KL at alpha {alpha} is not finite: the fitted maps make the model overflow \
+         (try a larger --alpha)"
+    )]
+    NonFiniteKl { alpha: f64 },
+    /// Every α of the `--alpha auto` grid failed (not positive definite or overflowing).
+    #[error(
+        "no alpha of the grid {tried:?} gives a usable fit (the last: {last}); give more \
+         calibration text or a larger fixed --alpha"
+    )]
+    NoUsableAlpha { tried: Vec<f64>, last: String },
+    /// The model produced NaN or infinity on calibration text.
+    #[error(
+        "non-finite {what} ({value}) in calibration window {window} at token {position}: the \
+         model's activations overflowed"
+    )]
+    NonFiniteActivation {
+        what: &'static str,
+        window: usize,
+        position: usize,
+        value: f32,
+    },
+    /// The caller's stop hook asked the pass or the solve to end early.
+    #[error("stopped before the fit finished")]
+    Stopped,
     #[error("{}: {message}", .path.display())]
     Stats { path: PathBuf, message: String },
     #[error("{0}")]

@@ -14,8 +14,21 @@ use crate::{FitError, Result};
 /// α grid for `--alpha auto`: λ = α·tr(XᵀX)/d spans weak to strong shrinkage.
 pub const DEFAULT_ALPHA_GRID: &[f64] = &[1e-5, 1e-4, 1e-3, 1e-2, 1e-1];
 
-/// Rows needed per feature before the solve is trusted.
-const MIN_ROWS_PER_FEATURE: u64 = 2;
+/// Rows (calibration tokens after each window's sink) needed per feature before a solve is
+/// attempted.
+///
+/// `features` rows are the bare minimum for XᵀX to have full rank at all; below that the fit
+/// is determined by the ridge penalty alone. Twice that is the floor we accept: ordinary least
+/// squares with n rows and p features inflates the expected held-out squared error by about
+/// n / (n − p − 1), which is ≈ 2 at n = 2p and falls quickly beyond (1.1 at n = 11p), and the
+/// ridge penalty only lowers it further. For SmolLM2-135M (577 features) that is 1,154 tokens;
+/// the README recommends 50,000 (≈ 90 per feature) for good maps.
+pub const MIN_ROWS_PER_FEATURE: u64 = 2;
+
+/// Fit rows a solve with `features` features (hidden size + 1) needs at least.
+pub fn min_rows(features: usize) -> u64 {
+    MIN_ROWS_PER_FEATURE.saturating_mul(features as u64)
+}
 
 /// Continuation tokens scored per held-out window when choosing α.
 pub const HELDOUT_CONT: usize = 64;
@@ -46,7 +59,7 @@ fn moments_view(m: &Moments) -> (MatRef<'_, f64>, MatRef<'_, f64>) {
 /// Solves for W (`[features, cols]`) at `alpha`; returns W and λ.
 pub fn ridge_solve(fit: &Moments, alpha: f64) -> Result<(Mat<f64>, f64)> {
     let f = fit.features();
-    let needed = MIN_ROWS_PER_FEATURE * f as u64;
+    let needed = min_rows(f);
     if fit.rows < needed {
         return Err(FitError::TooFewTokens {
             rows: fit.rows,
@@ -67,9 +80,14 @@ pub fn ridge_solve(fit: &Moments, alpha: f64) -> Result<(Mat<f64>, f64)> {
         .llt(Side::Lower)
         .map_err(|_| FitError::NotPositiveDefinite { alpha })?;
     let w = llt.solve(xty);
-    for j in 0..w.ncols() {
-        if (0..w.nrows()).any(|i| !w[(i, j)].is_finite()) {
-            return Err(FitError::NonFinite { alpha, column: j });
+    for column in 0..w.ncols() {
+        if let Some(row) = (0..w.nrows()).find(|&i| !w[(i, column)].is_finite()) {
+            return Err(FitError::NonFinite {
+                alpha,
+                row,
+                column,
+                value: w[(row, column)],
+            });
         }
     }
     Ok((w, lambda))
@@ -147,8 +165,21 @@ pub struct HeldoutReference {
 
 impl HeldoutReference {
     pub fn new(model: &Llama, windows: &[Vec<u32>], rows: FillRows) -> Result<Self> {
+        Self::new_until(model, windows, rows, &|| false)
+    }
+
+    /// [`HeldoutReference::new`], polling `stop` between windows ([`FitError::Stopped`]).
+    pub fn new_until(
+        model: &Llama,
+        windows: &[Vec<u32>],
+        rows: FillRows,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Self> {
         let mut out = Vec::new();
         for w in windows {
+            if stop() {
+                return Err(FitError::Stopped);
+            }
             let cont = HELDOUT_CONT.min(w.len() / 4);
             // The prefix must keep some bulk rows, or there is nothing to fill.
             if cont == 0 || w.len() - cont <= rows.sink + rows.tail {
@@ -167,8 +198,22 @@ impl HeldoutReference {
 
     /// Mean per-token KL(full ‖ fill) over the held-out continuations.
     pub fn kl(&self, model: &Llama, maps: &FillMaps, rows: FillRows) -> Result<f64> {
+        self.kl_until(model, maps, rows, &|| false)
+    }
+
+    /// [`HeldoutReference::kl`], polling `stop` between windows ([`FitError::Stopped`]).
+    pub fn kl_until(
+        &self,
+        model: &Llama,
+        maps: &FillMaps,
+        rows: FillRows,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<f64> {
         let mut total = WindowStats::default();
         for (prefix, cont, reference) in &self.windows {
+            if stop() {
+                return Err(FitError::Stopped);
+            }
             let logp = model.continuation_logp(prefix, cont, Method::Fill(maps, rows))?;
             total.add(&model.compare_logp(logp, reference.clone(), cont));
         }
@@ -183,9 +228,30 @@ pub fn fit_fill(
     heldout_windows: &[Vec<u32>],
     opts: &FitOptions,
 ) -> Result<FillFile> {
+    fit_fill_until(model, stats, heldout_windows, opts, &|| false)
+}
+
+/// [`fit_fill`], polling `stop` between held-out windows and α trials: when it returns true the
+/// fit ends with [`FitError::Stopped`].
+pub fn fit_fill_until(
+    model: &Llama,
+    stats: &StatsFile,
+    heldout_windows: &[Vec<u32>],
+    opts: &FitOptions,
+    stop: &dyn Fn() -> bool,
+) -> Result<FillFile> {
     let split = stats.meta.split;
     let kv_dim = model.config.kv_dim();
-    let reference = HeldoutReference::new(model, heldout_windows, opts.rows)?;
+    // Fail on too few rows before the (slow) held-out reference pass.
+    let needed = min_rows(stats.fit.features());
+    if stats.fit.rows < needed {
+        return Err(FitError::TooFewTokens {
+            rows: stats.fit.rows,
+            features: stats.fit.features(),
+            needed,
+        });
+    }
+    let reference = HeldoutReference::new_until(model, heldout_windows, opts.rows, stop)?;
     let mut grid = Vec::new();
     let (alpha, w, lambda, kl) = match &opts.alpha {
         AlphaChoice::Fixed(a) => {
@@ -193,7 +259,12 @@ pub fn fit_fill(
             let kl = if reference.is_empty() {
                 None
             } else {
-                Some(reference.kl(model, &device_maps(model, &w, split)?, opts.rows)?)
+                let kl =
+                    reference.kl_until(model, &device_maps(model, &w, split)?, opts.rows, stop)?;
+                if !kl.is_finite() {
+                    return Err(FitError::NonFiniteKl { alpha: *a });
+                }
+                Some(kl)
             };
             (*a, w, lambda, kl)
         }
@@ -206,13 +277,26 @@ pub fn fit_fill(
                 ));
             }
             let mut best: Option<(f64, Mat<f64>, f64, f64)> = None;
+            let mut last_failure = String::new();
             for &a in alphas {
                 let (w, lambda) = match ridge_solve(&stats.fit, a) {
                     Ok(r) => r,
-                    Err(FitError::NotPositiveDefinite { .. }) => continue,
+                    // Too weak a penalty for these statistics: a larger α of the grid may do.
+                    Err(
+                        e @ (FitError::NotPositiveDefinite { .. } | FitError::NonFinite { .. }),
+                    ) => {
+                        last_failure = e.to_string();
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 };
-                let kl = reference.kl(model, &device_maps(model, &w, split)?, opts.rows)?;
+                let kl =
+                    reference.kl_until(model, &device_maps(model, &w, split)?, opts.rows, stop)?;
+                if !kl.is_finite() {
+                    // These maps make the model overflow: never the best choice.
+                    last_failure = FitError::NonFiniteKl { alpha: a }.to_string();
+                    continue;
+                }
                 grid.push(AlphaTrial {
                     alpha: a,
                     lambda,
@@ -222,8 +306,9 @@ pub fn fit_fill(
                     best = Some((a, w, lambda, kl));
                 }
             }
-            let (a, w, lambda, kl) = best.ok_or(FitError::NotPositiveDefinite {
-                alpha: alphas.last().copied().unwrap_or(0.0),
+            let (a, w, lambda, kl) = best.ok_or_else(|| FitError::NoUsableAlpha {
+                tried: alphas.clone(),
+                last: last_failure,
             })?;
             (a, w, lambda, Some(kl))
         }
@@ -251,4 +336,94 @@ pub fn fit_fill(
         created_by: opts.created_by.clone(),
     };
     Ok(FillFile { meta, k, v })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `features` × `cols` moments with XᵀX = `scale`·I and XᵀY = `xty`, over `rows` rows.
+    fn moments(features: usize, cols: usize, rows: u64, scale: f64, xty: f64) -> Moments {
+        let mut m = Moments::zeros(features, cols);
+        for i in 0..features {
+            m.xtx[i * features + i] = scale;
+        }
+        m.xty.iter_mut().for_each(|v| *v = xty);
+        m.rows = rows;
+        m
+    }
+
+    #[test]
+    fn identity_system_solves_to_xty() {
+        let m = moments(4, 3, 8, 1.0, 0.5);
+        let (w, lambda) = ridge_solve(&m, 0.0).unwrap();
+        assert_eq!(lambda, 0.0);
+        assert!((0..4).all(|i| (0..3).all(|j| (w[(i, j)] - 0.5).abs() < 1e-12)));
+    }
+
+    #[test]
+    fn too_few_rows_says_how_many_are_needed() {
+        let m = moments(65, 8, 129, 1.0, 0.0);
+        let err = ridge_solve(&m, 1e-3).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FitError::TooFewTokens {
+                    rows: 129,
+                    features: 65,
+                    needed: 130
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("need at least 130") && msg.contains("129 rows"),
+            "{msg}"
+        );
+        assert!(ridge_solve(&moments(65, 8, 130, 1.0, 0.0), 1e-3).is_ok());
+        assert_eq!(min_rows(577), 1154);
+    }
+
+    #[test]
+    fn overflowing_solution_is_a_typed_error() {
+        // W = XᵀY / 1e-200 = 1e400: beyond f64.
+        let m = moments(4, 3, 8, 1e-200, 1e200);
+        let err = ridge_solve(&m, 0.0).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FitError::NonFinite {
+                    row: 0,
+                    column: 0,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("non-finite"), "{err}");
+    }
+
+    #[test]
+    fn nan_statistics_name_the_row_and_column() {
+        let mut m = moments(4, 3, 8, 1.0, 0.5);
+        m.xty[2 * 3 + 1] = f64::NAN;
+        let err = ridge_solve(&m, 1e-3).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FitError::NonFinite {
+                    row: 2,
+                    column: 1,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("row 2, column 1") && msg.contains("NaN"),
+            "{msg}"
+        );
+    }
 }
