@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_model::llama::LoadOptions;
 use ridgefill_model::{DeviceChoice, DeviceInfo, FloatDType, Llama, select_device};
@@ -49,8 +49,8 @@ pub fn load(args: &LoadArgs, max_positions: usize) -> Result<Loaded> {
         dtype: args.dtype,
         max_positions: max_positions.max(1),
     };
-    let model = Llama::load(&ckpt, &device.device, &opts)
-        .with_context(|| format!("loading {}", path.display()))?;
+    // Every load error already names the file (and tensor): no "loading FILE:" prefix.
+    let model = Llama::load(&ckpt, &device.device, &opts)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(Loaded {
         ckpt,

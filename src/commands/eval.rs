@@ -2,6 +2,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
+use ridgefill::interrupt;
 use ridgefill::io::text::collect_documents;
 use ridgefill::model::eval::{Method, WindowStats, prefill_flops};
 
@@ -82,6 +83,7 @@ pub fn run(a: Args) -> Result<()> {
     let len = a.prefix + a.cont;
     let mut windows = Vec::new();
     for d in &docs {
+        interrupt::check()?;
         let ids = loaded.ckpt.tokenizer.encode(&d.text, true)?;
         windows.extend(ids.chunks_exact(len).map(<[u32]>::to_vec));
     }
@@ -92,8 +94,12 @@ pub fn run(a: Args) -> Result<()> {
         bail!("no window of {len} tokens in the evaluation text");
     }
     let mut totals: BTreeMap<&str, WindowStats> = BTreeMap::new();
-    let bar = indicatif::ProgressBar::new(windows.len() as u64);
-    for w in &windows {
+    let bar = super::fit::Bar::new(
+        windows.len() as u64,
+        "evaluating [{bar:30}] {pos}/{len} windows ETA {eta}",
+    );
+    for (wi, w) in windows.iter().enumerate() {
+        interrupt::check()?;
         let (prefix, cont) = w.split_at(a.prefix);
         let reference = model.continuation_logp(prefix, cont, Method::Full)?;
         for name in METHODS {
@@ -110,7 +116,12 @@ pub fn run(a: Args) -> Result<()> {
             };
             let s = model.compare_logp(logp, reference.clone(), cont);
             if !s.nll.is_finite() || !s.kl.is_finite() {
-                bail!("non-finite log-likelihood under method {name}");
+                bail!(
+                    "non-finite log-likelihood (NLL {}, KL {}) under method {name} in window {wi} \
+                     of {len} tokens: the model's activations overflowed",
+                    s.nll,
+                    s.kl
+                );
             }
             totals.entry(name).or_default().add(&s);
         }
@@ -206,6 +217,7 @@ fn passkey(
         for (name, method) in methods {
             let mut hits = 0;
             for (&depth, &key) in PASSKEY_DEPTHS.iter().zip(&PASSKEY_KEYS) {
+                interrupt::check()?;
                 let needle = format!("The pass key is {key}. Remember it. {key} is the pass key. ");
                 let fixed =
                     tok.encode(&needle, false)?.len() + tok.encode(PASSKEY_QUESTION, false)?.len();

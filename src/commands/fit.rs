@@ -1,13 +1,16 @@
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
+use ridgefill::interrupt::{self, Interrupted};
+use ridgefill::io::IoError;
 use ridgefill::io::fill::{FillDtype, ModelFingerprint};
 use ridgefill::io::stats::StatsFile;
 use ridgefill::io::text::collect_documents;
 use ridgefill::model::{DeviceChoice, FloatDType};
 use ridgefill::session::{LoadArgs, load};
-use ridgefill_fit::calibrate::{CalibConfig, calibrate};
-use ridgefill_fit::solve::{AlphaChoice, DEFAULT_ALPHA_GRID, FitOptions, fit_fill};
+use ridgefill_fit::FitError;
+use ridgefill_fit::calibrate::{CalibConfig, Control, calibrate_with};
+use ridgefill_fit::solve::{AlphaChoice, DEFAULT_ALPHA_GRID, FitOptions, fit_fill_until};
 
 use super::generate::RowArgs;
 
@@ -57,6 +60,60 @@ pub struct Args {
 /// Share of calibration windows held out to choose α.
 const HELDOUT_FRACTION: f64 = 0.1;
 
+/// A progress bar that is cleared however the command ends: success, error or Ctrl-C.
+pub struct Bar(pub indicatif::ProgressBar);
+
+impl Bar {
+    pub fn new(len: u64, template: &'static str) -> Self {
+        let bar = indicatif::ProgressBar::new(len);
+        bar.set_style(indicatif::ProgressStyle::with_template(template).expect("static template"));
+        Bar(bar)
+    }
+}
+
+impl std::ops::Deref for Bar {
+    type Target = indicatif::ProgressBar;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl Drop for Bar {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// A fit error for `main`: a stop requested by Ctrl-C becomes [`Interrupted`] (exit 130).
+fn fit_error(e: FitError) -> anyhow::Error {
+    match e {
+        FitError::Stopped => Interrupted.into(),
+        e => e.into(),
+    }
+}
+
+/// Fails before any work when an output's directory does not exist.
+fn check_output_dir(path: &std::path::Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(IoError::MissingFile {
+            path: dir.to_path_buf(),
+            what: format!("directory to write {} into", path.display()),
+        }
+        .into());
+    }
+    if path.is_dir() {
+        bail!(
+            "{}: is a directory, expected a file name to write",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 fn parse_alpha(s: &str) -> Result<AlphaChoice> {
     if s == "auto" {
         return Ok(AlphaChoice::Auto(DEFAULT_ALPHA_GRID.to_vec()));
@@ -76,6 +133,12 @@ pub fn run(a: Args) -> Result<()> {
     };
     if a.output.is_none() && a.stats_out.is_none() {
         bail!("nothing to write: give -o FILE (and/or --stats-out FILE)");
+    }
+    for p in a.output.iter().chain(&a.stats_out) {
+        check_output_dir(p)?;
+    }
+    if a.from_stats.is_empty() && a.split.is_none() {
+        bail!("--split is required for a calibration pass");
     }
     let loaded = load(
         &LoadArgs {
@@ -97,10 +160,9 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         collect_documents(&calib, a.lossy)?
     };
+    interrupt::check()?;
     let (stats, heldout_windows) = if a.from_stats.is_empty() {
-        let split = a
-            .split
-            .context("--split is required for a calibration pass")?;
+        let split = a.split.unwrap_or_default();
         let cfg = CalibConfig {
             split,
             sink: a.rows.sink,
@@ -108,24 +170,33 @@ pub fn run(a: Args) -> Result<()> {
             max_tokens: a.max_tokens,
             heldout_fraction: HELDOUT_FRACTION,
         };
-        let bar = indicatif::ProgressBar::new(0);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "calibrating [{bar:30}] {pos}/{len} tokens {per_sec} ETA {eta}",
-            )
-            .expect("static template"),
+        let bar = Bar::new(
+            0,
+            "calibrating [{bar:30}] {pos}/{len} tokens {per_sec} ETA {eta}",
         );
-        let cal = calibrate(
+        let cal = calibrate_with(
             model,
             fingerprint.clone(),
             &loaded.ckpt.tokenizer,
             &docs,
             &cfg,
-            &mut |p| {
-                bar.set_length(p.tokens_total as u64);
-                bar.set_position(p.tokens_done as u64);
+            Control {
+                progress: &mut |p| {
+                    if p.tokens_done == 0 {
+                        // Always printed (the bar is hidden when stderr is not a terminal).
+                        bar.suspend(|| {
+                            eprintln!("calibrating: {} tokens (Ctrl-C stops)", p.tokens_total)
+                        });
+                    }
+                    bar.set_length(p.tokens_total as u64);
+                    bar.set_position(p.tokens_done as u64);
+                },
+                stop: &interrupt::requested,
+                // Shards are summed before solving: only a run that solves needs enough rows.
+                require_solvable: a.output.is_some(),
             },
-        )?;
+        )
+        .map_err(fit_error)?;
         bar.finish_and_clear();
         eprintln!(
             "calibration: {} fit rows, {} held-out rows, {} documents, {:.0} s",
@@ -141,12 +212,19 @@ pub fn run(a: Args) -> Result<()> {
         (cal.stats, cal.heldout_windows)
     } else {
         let stats = StatsFile::merge(&a.from_stats)?;
-        let diff = stats.meta.model.mismatches(&fingerprint);
-        if !diff.is_empty() {
+        let fields = stats.meta.model.mismatches(&fingerprint);
+        if !fields.is_empty() {
+            return Err(IoError::ModelMismatch {
+                path: a.from_stats[0].clone(),
+                what: "statistics file",
+                fields,
+            }
+            .into());
+        }
+        if stats.meta.ctx == 0 {
             bail!(
-                "{}: statistics were made for another model: {}",
-                a.from_stats[0].display(),
-                ridgefill::io::fill::FieldMismatch::describe_all(&diff)
+                "{}: statistics record a window length (ctx) of 0",
+                a.from_stats[0].display()
             );
         }
         if let Some(s) = a.split.filter(|&s| s != stats.meta.split) {
@@ -158,6 +236,7 @@ pub fn run(a: Args) -> Result<()> {
         // Held-out KL for α needs text: windows of the given calibration documents.
         let mut windows = Vec::new();
         for d in &docs {
+            interrupt::check()?;
             let ids = loaded.ckpt.tokenizer.encode(&d.text, true)?;
             windows.extend(
                 ids.chunks(stats.meta.ctx)
@@ -176,7 +255,16 @@ pub fn run(a: Args) -> Result<()> {
         created_by: format!("ridgefill {}", env!("CARGO_PKG_VERSION")),
     };
     let t = std::time::Instant::now();
-    let file = fit_fill(model, &stats, &heldout_windows, &opts)?;
+    let file = fit_fill_until(
+        model,
+        &stats,
+        &heldout_windows,
+        &opts,
+        &interrupt::requested,
+    )
+    .map_err(fit_error)?;
+    // The last chance to stop: after this the file is written (atomically) as a whole.
+    interrupt::check()?;
     file.write(output, out_dtype)?;
     let m = &file.meta;
     let mean = |f: fn(&ridgefill::io::fill::LayerQuality) -> f64| {

@@ -2,7 +2,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
+use ridgefill::interrupt::{self, Interrupted};
 use ridgefill::io::chat::ChatMessage;
 use ridgefill::model::{Sampler, SamplerConfig, to_host_f32};
 
@@ -24,7 +25,8 @@ pub struct Args {
     /// Context size (prompt + generated tokens); defaults to the model's, capped at 4096.
     #[arg(short = 'c', long = "ctx-size")]
     pub ctx_size: Option<usize>,
-    /// When the prompt does not fit: keep its `left` or `right` part instead of failing.
+    /// When the prompt does not fit the context: drop tokens from its `left` (keep the end) or
+    /// its `right` (keep the start) instead of failing.
     #[arg(long, value_parser = ["left", "right"])]
     pub truncate: Option<String>,
     /// Sampling temperature; 0 = greedy.
@@ -80,14 +82,63 @@ pub fn read_text(path: &std::path::Path) -> Result<String> {
     Ok(ridgefill::io::text::read_text_file(path, false)?)
 }
 
+/// A prompt that cannot be run, or a model output that cannot be sampled from.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    #[error("no prompt: give -p PROMPT or -f FILE")]
+    Missing,
+    #[error("empty prompt{}", .file.as_ref().map(|f| format!(": {} is empty", f.display())).unwrap_or_default())]
+    Empty { file: Option<PathBuf> },
+    #[error("the prompt encodes to no tokens")]
+    NoTokens,
+    #[error("{}: --chat needs a chat template, and this model has none", .path.display())]
+    NoChatTemplate { path: PathBuf },
+    #[error(
+        "prompt has {tokens} tokens but the context holds {ctx} with {n_predict} to generate \
+         ({budget} left for the prompt); raise -c, lower -n, or pass --truncate left|right"
+    )]
+    TooLong {
+        tokens: usize,
+        ctx: usize,
+        n_predict: usize,
+        budget: usize,
+    },
+    #[error("-n {n_predict} leaves no room for the prompt in a context of {ctx}")]
+    NoRoom { n_predict: usize, ctx: usize },
+    #[error(
+        "non-finite logit ({value}) for token id {token} at position {position}: the model's \
+         activations overflowed"
+    )]
+    NonFiniteLogits {
+        position: usize,
+        token: usize,
+        value: f32,
+    },
+}
+
+/// Errors unless every logit is finite; `position` is the sequence position they predict from.
+fn check_logits(logits: &[f32], position: usize) -> Result<(), PromptError> {
+    match logits.iter().position(|x| !x.is_finite()) {
+        Some(token) => Err(PromptError::NonFiniteLogits {
+            position,
+            token,
+            value: logits[token],
+        }),
+        None => Ok(()),
+    }
+}
+
 pub fn run(a: Args) -> Result<()> {
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => read_text(f)?,
-        (None, None) => bail!("no prompt: give -p PROMPT or -f FILE"),
+        (None, None) => return Err(PromptError::Missing.into()),
     };
     if prompt.is_empty() {
-        bail!("empty prompt");
+        return Err(PromptError::Empty {
+            file: a.file.clone(),
+        }
+        .into());
     }
     // The RoPE table must cover the context; decided before loading.
     let ctx_guess = a.ctx_size.unwrap_or(DEFAULT_CTX_CAP);
@@ -99,9 +150,14 @@ pub fn run(a: Args) -> Result<()> {
     let tok = &loaded.ckpt.tokenizer;
 
     let mut ids = if a.chat {
-        let tmpl = loaded.ckpt.chat_template.as_ref().with_context(|| {
-            format!("{}: model has no chat template", loaded.ckpt.path.display())
-        })?;
+        let tmpl =
+            loaded
+                .ckpt
+                .chat_template
+                .as_ref()
+                .ok_or_else(|| PromptError::NoChatTemplate {
+                    path: loaded.ckpt.path.clone(),
+                })?;
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
             msgs.push(ChatMessage::new("system", s));
@@ -113,26 +169,35 @@ pub fn run(a: Args) -> Result<()> {
         tok.encode(&prompt, true)?
     };
     if ids.is_empty() {
-        bail!("the prompt encodes to no tokens");
+        return Err(PromptError::NoTokens.into());
     }
     let budget = ctx.saturating_sub(a.n_predict);
+    if budget == 0 {
+        return Err(PromptError::NoRoom {
+            n_predict: a.n_predict,
+            ctx,
+        }
+        .into());
+    }
     if ids.len() > budget {
         match a.truncate.as_deref() {
             Some("left") => ids = ids[ids.len() - budget..].to_vec(),
-            Some(_) => ids.truncate(budget),
-            None => bail!(
-                "prompt has {} tokens but the context holds {ctx} with {} to generate; \
-                 raise -c, lower -n, or pass --truncate left|right",
-                ids.len(),
-                a.n_predict
-            ),
+            Some("right") => ids.truncate(budget),
+            Some(other) => bail!("--truncate {other:?}: expected left or right"),
+            None => {
+                return Err(PromptError::TooLong {
+                    tokens: ids.len(),
+                    ctx,
+                    n_predict: a.n_predict,
+                    budget,
+                }
+                .into());
+            }
         }
-        if ids.is_empty() {
-            bail!(
-                "-n {} leaves no room for the prompt in a context of {ctx}",
-                a.n_predict
-            );
-        }
+        eprintln!(
+            "prompt truncated on the {} to {budget} tokens",
+            a.truncate.as_deref().unwrap_or_default()
+        );
     }
 
     let model = &loaded.model;
@@ -159,6 +224,8 @@ pub fn run(a: Args) -> Result<()> {
     };
     let logits = to_host_f32(logits);
     let prefill_s = t0.elapsed().as_secs_f64();
+    check_logits(&logits, ids.len() - 1)?;
+    interrupt::check()?;
 
     let t1 = Instant::now();
     let mut generated = 0usize;
@@ -176,7 +243,14 @@ pub fn run(a: Args) -> Result<()> {
         if generated >= a.n_predict {
             break;
         }
+        if interrupt::requested() {
+            // End the partial line so the shell prompt starts on a fresh one.
+            writeln!(out)?;
+            out.flush()?;
+            return Err(Interrupted.into());
+        }
         let logits = to_host_f32(model.decode_step(next, &mut cache)?);
+        check_logits(&logits, ids.len() + steps)?;
         steps += 1;
         next = sampler.sample(&logits);
     }
