@@ -33,6 +33,8 @@ enum Command {
     Eval(commands::eval::Args),
     /// Measure the device's own ceilings (memory bandwidth, f32 FMA rate) with WGSL kernels.
     Probe(commands::probe::Args),
+    /// Compare logits of the same model across devices (the first is the reference).
+    Parity(commands::parity::Args),
     /// Describe a model: architecture, shapes, dtypes, tokenizer, chat template.
     Info(commands::info::Args),
 }
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Fit(a) => commands::fit::run(a),
         Command::Eval(a) => commands::eval::run(a),
         Command::Probe(a) => commands::probe::run(a),
+        Command::Parity(a) => commands::parity::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,5 +5,6 @@ pub mod fetch;
 pub mod fit;
 pub mod generate;
 pub mod info;
+pub mod parity;
 pub mod probe;
 pub mod score;

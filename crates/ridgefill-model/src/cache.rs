@@ -65,6 +65,13 @@ impl KvCache {
         self.lens.iter_mut().for_each(|l| *l = 0);
     }
 
+    /// Forgets positions from `len` on, keeping the prefix (e.g. to re-run the same decode step).
+    /// Only for caches whose layers hold one slot per position (full prefill).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+        self.lens.iter_mut().for_each(|l| *l = (*l).min(len));
+    }
+
     /// Appends `k`, `v` (`[1, kv_heads, m, head_dim]`) to `layer`'s filled slots.
     pub fn append(&mut self, layer: usize, k: Tensor<4>, v: Tensor<4>) {
         let m = k.dims()[2];

@@ -9,8 +9,10 @@ pub mod error;
 pub mod eval;
 pub mod fill;
 pub mod llama;
+pub mod probe;
 pub mod rope;
 pub mod sample;
+pub mod synthetic;
 
 pub use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 pub use cache::KvCache;
