@@ -502,7 +502,7 @@ fn rows() -> Vec<Row> {
         ),
         r(
             "heads do not divide the hidden size",
-            gen_(&["-m", "hf_heads", "-p", "hi"]),
+            args(&["info", "-m", "hf_heads"], &[], &[]),
             ERR,
             &[
                 "config.json",
@@ -604,10 +604,22 @@ fn rows() -> Vec<Row> {
             &["latin1.txt: not valid UTF-8: invalid byte sequence at byte offset 3"],
         ),
         r(
+            "non-UTF-8 prompt file, --lossy",
+            gen_(&["-f", "latin1.txt", "--lossy"]),
+            OK,
+            &["| full |"],
+        ),
+        r(
             "non-UTF-8 text to score",
             score(&["--text", "latin1.txt"]),
             ERR,
             &["latin1.txt: not valid UTF-8: invalid byte sequence at byte offset 3"],
+        ),
+        r(
+            "non-UTF-8 text to score, --lossy",
+            score(&["--text", "latin1_long.txt", "--lossy"]),
+            OK,
+            &[],
         ),
         r(
             "non-UTF-8 calibration text",
@@ -849,7 +861,9 @@ fn every_bad_input_gives_its_exit_status_and_message() {
         let code = out.status.code().unwrap_or(-1);
         // Shown with --nocapture: the whole table of messages, for review.
         println!("{} [{code}]: {}", r.what, stderr.trim_end());
-        let missing: Vec<_> = r.needles.iter().filter(|n| !stderr.contains(*n)).collect();
+        // Messages go to stderr; `info` reports on stdout.
+        let text = format!("{stderr}{}", String::from_utf8_lossy(&out.stdout));
+        let missing: Vec<_> = r.needles.iter().filter(|n| !text.contains(*n)).collect();
         if code != r.code || !missing.is_empty() || stderr.contains("panicked") {
             failures.push(format!(
                 "{}: `ridgefill {}` exited {code} (want {}), missing {missing:?} in:\n{stderr}",

@@ -19,6 +19,9 @@ pub struct Args {
     /// Read the prompt from a file.
     #[arg(short = 'f', long = "file", conflicts_with = "prompt")]
     pub file: Option<PathBuf>,
+    /// Replace undecodable bytes of the -f file with U+FFFD instead of failing.
+    #[arg(long, requires = "file")]
+    pub lossy: bool,
     /// Number of tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     pub n_predict: usize,
@@ -77,9 +80,9 @@ impl RowArgs {
 /// Largest context used when the model advertises a longer one (memory for the preallocated cache).
 const DEFAULT_CTX_CAP: usize = 4096;
 
-/// Reads a UTF-8 text file (non-UTF-8 is an error naming the byte offset).
-pub fn read_text(path: &std::path::Path) -> Result<String> {
-    Ok(ridgefill::io::text::read_text_file(path, false)?)
+/// Reads a UTF-8 text file: non-UTF-8 is an error naming the byte offset, unless `lossy`.
+pub fn read_text(path: &std::path::Path, lossy: bool) -> Result<String> {
+    Ok(ridgefill::io::text::read_text_file(path, lossy)?)
 }
 
 /// A prompt that cannot be run, or a model output that cannot be sampled from.
@@ -131,7 +134,7 @@ fn check_logits(logits: &[f32], position: usize) -> Result<(), PromptError> {
 pub fn run(a: Args) -> Result<()> {
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => read_text(f)?,
+        (None, Some(f)) => read_text(f, a.lossy)?,
         (None, None) => return Err(PromptError::Missing.into()),
     };
     if prompt.is_empty() {

@@ -19,10 +19,13 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Replace undecodable bytes with U+FFFD instead of failing.
+    #[arg(long)]
+    pub lossy: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let text = read_text(&a.text)?;
+    let text = read_text(&a.text, a.lossy)?;
     let loaded = load(&a.model.load_args(), a.ctx)?;
     let ids = loaded.ckpt.tokenizer.encode(&text, true)?;
     let r = score_ids(&loaded.model, &ids, a.ctx)?;

@@ -405,24 +405,18 @@ mod tests {
     }
 
     #[test]
-    fn nan_statistics_name_the_row_and_column() {
+    fn nan_statistics_name_the_column() {
         let mut m = moments(4, 3, 8, 1.0, 0.5);
         m.xty[2 * 3 + 1] = f64::NAN;
         let err = ridge_solve(&m, 1e-3).unwrap_err();
+        // The triangular solves may spread the NaN down its column: the first one is named.
         assert!(
-            matches!(
-                err,
-                FitError::NonFinite {
-                    row: 2,
-                    column: 1,
-                    ..
-                }
-            ),
+            matches!(err, FitError::NonFinite { column: 1, .. }),
             "{err:?}"
         );
         let msg = err.to_string();
         assert!(
-            msg.contains("row 2, column 1") && msg.contains("NaN"),
+            msg.contains("column 1 of the solution") && msg.contains("NaN"),
             "{msg}"
         );
     }
