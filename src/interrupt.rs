@@ -30,7 +30,9 @@ pub fn install() {
         let installed = ctrlc::set_handler(|| {
             if PRESSES.fetch_add(1, Ordering::SeqCst) == 0 {
                 restore_terminal();
-                eprintln!("\ninterrupt: stopping after the current step (Ctrl-C again to quit now)");
+                eprintln!(
+                    "\ninterrupt: stopping after the current step (Ctrl-C again to quit now)"
+                );
             } else {
                 restore_terminal();
                 eprintln!("\ninterrupted");
