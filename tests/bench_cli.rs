@@ -1,0 +1,229 @@
+//! `ridgefill bench`, `probe` and `parity` end to end on the tiny model: the output formats carry
+//! llama-bench's fields with consistent values, and the atomic `--out` file is complete.
+
+#[path = "../crates/ridgefill-io/tests/common/mod.rs"]
+mod tiny;
+
+use std::path::Path;
+use std::process::Command;
+
+/// Repetitions in these runs (the sample vectors must have exactly this many entries).
+const REPS: usize = 2;
+
+fn ridgefill(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
+        .args(args)
+        .env("CUBECL_AUTOTUNE_LEVEL", "minimal")
+        .output()
+        .expect("run ridgefill");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr,
+    )
+}
+
+fn tiny_model(dir: &Path) -> String {
+    let path = dir.join("tiny.gguf");
+    tiny::write_gguf(&tiny::tiny(), &path, &tiny::Faults::default());
+    path.to_str().unwrap().to_string()
+}
+
+#[test]
+fn bench_json_has_llama_bench_fields_and_fill_speedups() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let out = dir.path().join("bench.json");
+    let reps = REPS.to_string();
+    let (ok, stdout, stderr) = ridgefill(&[
+        "bench",
+        "-m",
+        &model,
+        "--device",
+        "cpu",
+        "--split",
+        "1",
+        "--tail",
+        "4",
+        "-p",
+        "24,48",
+        "-n",
+        "3",
+        "-d",
+        "16",
+        "-r",
+        &reps,
+        "--no-probe",
+        "-o",
+        "json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.is_empty(), "--out writes the file, not stdout");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    // 2 prompt lengths + 1 decode test, each full and fill.
+    assert_eq!(rows.len(), 6);
+    let tests: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r["test"].as_str().unwrap(), r["mode"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        tests,
+        [
+            ("pp24", "full"),
+            ("pp24", "fill"),
+            ("pp48", "full"),
+            ("pp48", "fill"),
+            ("tg3 @ d16", "full"),
+            ("tg3 @ d16", "fill"),
+        ]
+    );
+    for r in &rows {
+        let samples_ts = r["samples_ts"].as_array().unwrap();
+        let samples_ns = r["samples_ns"].as_array().unwrap();
+        assert_eq!(samples_ts.len(), REPS);
+        assert_eq!(samples_ns.len(), REPS);
+        let tokens = (r["n_prompt"].as_u64().unwrap() + r["n_gen"].as_u64().unwrap()) as f64;
+        // Every t/s sample is the test's tokens over the same sample's time.
+        for (ts, ns) in samples_ts.iter().zip(samples_ns) {
+            let from_ns = tokens / (ns.as_f64().unwrap() / 1e9);
+            let ts = ts.as_f64().unwrap();
+            assert!((ts - from_ns).abs() <= 1e-3 * ts, "{ts} vs {from_ns}");
+        }
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0);
+        assert_eq!(r["backend"], "flex");
+        assert_eq!(r["n_layers"], tiny::LAYERS);
+        assert!(r["burn_version"].as_str().unwrap().starts_with("0.22"));
+        let fill = r["mode"] == "fill";
+        assert_eq!(r["split"].is_null(), !fill);
+        assert_eq!(r["speedup_vs_full"].is_null(), !fill);
+        let pp = r["n_prompt"].as_u64().unwrap() > 0;
+        assert_eq!(r["ttft_ms"].is_null(), !pp);
+        if pp {
+            let ttft = r["ttft_ms"].as_f64().unwrap();
+            let avg_ms = r["avg_ns"].as_f64().unwrap() / 1e6;
+            assert!((ttft - avg_ms).abs() <= 1e-6 * avg_ms);
+        }
+    }
+    // Fill rows' speed-up is the mean of per-repetition ratios against the full rows.
+    for pair in rows.chunks(2) {
+        let full: Vec<f64> = pair[0]["samples_ts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let fill: Vec<f64> = pair[1]["samples_ts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let want = fill.iter().zip(&full).map(|(a, b)| a / b).sum::<f64>() / REPS as f64;
+        let got = pair[1]["speedup_vs_full"].as_f64().unwrap();
+        assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+    }
+    // No temporary file is left next to the output.
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+}
+
+#[test]
+fn bench_csv_jsonl_and_markdown_agree_on_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let base = [
+        "bench",
+        "-m",
+        &model,
+        "--device",
+        "cpu",
+        "-p",
+        "16",
+        "-n",
+        "2",
+        "-d",
+        "4",
+        "-r",
+        "1",
+        "--no-probe",
+    ];
+    let with = |fmt: &str| {
+        let mut a = base.to_vec();
+        a.extend(["-o", fmt]);
+        let (ok, stdout, stderr) = ridgefill(&a);
+        assert!(ok, "{stderr}");
+        stdout
+    };
+    let csv = with("csv");
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), 3, "header + pp16 + tg2:\n{csv}");
+    let header: Vec<&str> = lines[0].split(',').collect();
+    for field in [
+        "n_prompt",
+        "n_gen",
+        "avg_ts",
+        "stddev_ts",
+        "avg_ns",
+        "samples_ts",
+        "mode",
+    ] {
+        assert!(header.contains(&field), "csv header lacks {field}");
+    }
+    let jsonl = with("jsonl");
+    let rows: Vec<serde_json::Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["test"], "pp16");
+    assert_eq!(rows[1]["test"], "tg2 @ d4");
+    let md = with("md");
+    assert!(md.contains("| flex | full | pp16 |"), "{md}");
+    assert!(md.contains("| flex | full | tg2 @ d4 |"), "{md}");
+    assert!(md.contains("burn 0.22"), "{md}");
+}
+
+#[test]
+fn bench_refuses_nonsense() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "--device", "cpu", "-r", "0"]);
+    assert!(!ok);
+    assert!(stderr.contains("-r must be at least 1"), "{stderr}");
+    let (ok, _, stderr) = ridgefill(&[
+        "bench",
+        "-m",
+        &model,
+        "--device",
+        "cpu",
+        "--split",
+        "2",
+        "-p",
+        "16",
+        "-n",
+        "0",
+        "--no-probe",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("split 2 is out of range"), "{stderr}");
+    let (ok, _, stderr) = ridgefill(&["bench", "-m", "synthetic:gpt-17", "--device", "cpu"]);
+    assert!(!ok);
+    assert!(stderr.contains("unknown synthetic shape"), "{stderr}");
+}
+
+#[test]
+fn probe_cpu_reports_positive_ceilings() {
+    let (ok, stdout, stderr) = ridgefill(&["probe", "--device", "cpu", "--json"]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(v["bandwidth_gbs"].as_f64().unwrap() > 0.1, "{v}");
+    assert!(v["fma_gflops"].as_f64().unwrap() > 0.1, "{v}");
+}
