@@ -822,6 +822,22 @@ fn rows() -> Vec<Row> {
             &["too few calibration tokens", "need at least 130"],
         ),
         r(
+            "--alpha auto without held-out text",
+            fit(&[
+                "--calib",
+                "calib/doc0.txt",
+                "--alpha",
+                "auto",
+                "-o",
+                "x.fill",
+            ]),
+            ERR,
+            &[
+                "--alpha auto needs held-out text",
+                "the 1 document(s) given",
+            ],
+        ),
+        r(
             "calibration windows too short",
             fit(&["--calib", "calib", "--ctx", "2", "-o", "x.fill"]),
             ERR,

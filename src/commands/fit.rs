@@ -194,6 +194,7 @@ pub fn run(a: Args) -> Result<()> {
                 stop: &interrupt::requested,
                 // Shards are summed before solving: only a run that solves needs enough rows.
                 require_solvable: a.output.is_some(),
+                require_heldout: a.output.is_some() && matches!(alpha, AlphaChoice::Auto(_)),
             },
         )
         .map_err(fit_error)?;

@@ -151,6 +151,9 @@ pub struct Control<'a> {
     /// Fail with [`FitError::TooFewTokens`] before the pass when the fit windows cannot reach
     /// [`crate::min_rows`]. Off for statistics shards, which are summed before any solve.
     pub require_solvable: bool,
+    /// Fail before the pass when no held-out window is left (`--alpha auto` measures KL on
+    /// them).
+    pub require_heldout: bool,
 }
 
 /// One pass over `docs`: the first windows (up to `max_tokens`) feed the fit, the following
@@ -173,6 +176,7 @@ pub fn calibrate(
             progress,
             stop: &|| false,
             require_solvable: false,
+            require_heldout: false,
         },
     )
 }
@@ -249,6 +253,14 @@ pub fn calibrate_with(
                 needed,
             });
         }
+    }
+    if ctl.require_heldout && heldout_windows.is_empty() {
+        return Err(FitError::Invalid(format!(
+            "--alpha auto needs held-out text to measure KL, and none is left: held-out windows \
+             come from documents after the fit's, and the {} document(s) given are all used by \
+             the fit; give more documents, a smaller --max-tokens, or a fixed --alpha",
+            docs.len()
+        )));
     }
     let cols = (layers - cfg.split) * 2 * model.config.kv_dim();
     let mut fit = Moments::zeros(features, cols);
