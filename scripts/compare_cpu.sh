@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # Side-by-side CPU prefill/decode speed on the same GGUF, same thread count, in one run:
 #   ridgefill (flex), transformers (torch, float32) and llama.cpp (llama-cpp-python, weights as stored).
+# The three engines take turns for ROUNDS rounds, so load drift on a shared machine hits all alike;
+# every round prints each engine's mean ± std over REPS repetitions after its own warm-up.
 # Needs the reference venv with llama-cpp-python (scripts/requirements-ref.txt) and the
 # SmolLM2 GGUF in models/cache (`ridgefill fetch smollm2-135m`).
-# THREADS=N overrides the thread count, REPS=N the timed repetitions, PYTHON the interpreter.
+# THREADS=N overrides the thread count, REPS=N the timed repetitions, ROUNDS=N the rounds,
+# PYTHON the interpreter, RIDGEFILL the binary (default: `cargo run --release`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads="${THREADS:-$(nproc)}"
 reps="${REPS:-5}"
+rounds="${ROUNDS:-2}"
 py="${PYTHON:-.venv-ref/bin/python}"
-echo "== ridgefill bench (flex, $threads threads)"
-RAYON_NUM_THREADS="$threads" cargo run --release -q -- bench --device cpu -p 512 -n 32 -r "$reps"
-echo "== transformers (torch, $threads threads)"
-"$py" scripts/bench_reference.py --threads "$threads" --reps "$reps"
-echo "== llama.cpp (llama-cpp-python, $threads threads)"
-"$py" scripts/bench_llamacpp.py --threads "$threads" --reps "$reps"
+if [ -n "${RIDGEFILL:-}" ]; then rf=("$RIDGEFILL"); else rf=(cargo run --release -q --); fi
+for round in $(seq 1 "$rounds"); do
+  echo "== round $round: ridgefill bench (flex, $threads threads)"
+  RAYON_NUM_THREADS="$threads" "${rf[@]}" bench --device cpu -p 512 -n 32 -d 16 -r "$reps" --no-probe
+  echo "== round $round: transformers (torch, $threads threads)"
+  "$py" scripts/bench_reference.py --threads "$threads" --reps "$reps"
+  echo "== round $round: llama.cpp (llama-cpp-python, $threads threads)"
+  "$py" scripts/bench_llamacpp.py --threads "$threads" --reps "$reps"
+done

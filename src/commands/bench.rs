@@ -277,7 +277,7 @@ fn stored_dtypes(ckpt: &ridgefill::io::checkpoint::Checkpoint) -> String {
         }
     }
     let mut v: Vec<_> = counts.into_iter().collect();
-    v.sort_by(|a, b| b.1.cmp(&a.1));
+    v.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
     v.iter()
         .map(|(d, n)| format!("{d} ×{n}"))
         .collect::<Vec<_>>()
