@@ -6,11 +6,6 @@ use clap::{Parser, Subcommand};
 
 mod commands;
 
-/// burn-flex allocates a fresh buffer per op; glibc returns large ones to the kernel, so every op
-/// paid page faults. mimalloc keeps and reuses them.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser)]
 #[command(
     name = "ridgefill",
