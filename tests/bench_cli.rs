@@ -227,3 +227,95 @@ fn probe_cpu_reports_positive_ceilings() {
     assert!(v["bandwidth_gbs"].as_f64().unwrap() > 0.1, "{v}");
     assert!(v["fma_gflops"].as_f64().unwrap() > 0.1, "{v}");
 }
+
+/// Calibration text from a small word list (the tiny tokenizer covers these words).
+fn words(n: usize, seed: u64) -> String {
+    const W: [&str; 12] = [
+        "the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", ".",
+    ];
+    let mut rng = tiny::Rng::new(seed);
+    (0..n)
+        .map(|_| W[((rng.next_f32() + 1.0) * 6.0) as usize % W.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn bench_with_a_fitted_fill_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let calib = dir.path().join("calib");
+    std::fs::create_dir(&calib).unwrap();
+    for i in 0..4 {
+        std::fs::write(calib.join(format!("doc{i}.txt")), words(150, i + 1)).unwrap();
+    }
+    let fill = dir.path().join("tiny.fill");
+    let (ok, _, stderr) = ridgefill(&[
+        "fit",
+        "-m",
+        &model,
+        "--device",
+        "cpu",
+        "--calib",
+        calib.to_str().unwrap(),
+        "--split",
+        "1",
+        "--ctx",
+        "32",
+        "--alpha",
+        "1e-3",
+        "-o",
+        fill.to_str().unwrap(),
+    ]);
+    assert!(ok, "fit: {stderr}");
+    let (ok, stdout, stderr) = ridgefill(&[
+        "bench",
+        "-m",
+        &model,
+        "--device",
+        "cpu",
+        "--fill",
+        fill.to_str().unwrap(),
+        "--tail",
+        "4",
+        "-p",
+        "32",
+        "-n",
+        "0",
+        "-r",
+        "1",
+        "--no-probe",
+        "-o",
+        "jsonl",
+    ]);
+    assert!(ok, "{stderr}");
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1]["mode"], "fill");
+    assert_eq!(rows[1]["fill_maps"], "fitted");
+    assert_eq!(rows[1]["split"], 1);
+    assert_eq!(rows[1]["n_tail"], 4);
+    // A fill file belongs to one checkpoint: random-weight models cannot use it.
+    let (ok, _, stderr) = ridgefill(&[
+        "bench",
+        "-m",
+        "synthetic:smollm2-135m",
+        "--device",
+        "cpu",
+        "--fill",
+        fill.to_str().unwrap(),
+        "-p",
+        "32",
+        "-n",
+        "0",
+        "--no-probe",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--fill needs a real checkpoint"),
+        "{stderr}"
+    );
+}

@@ -727,6 +727,11 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
     }
+    if a.fill.is_some() && a.model.starts_with("synthetic:") {
+        bail!(
+            "--fill needs a real checkpoint (a fill file is made for one); use --split with synthetic models"
+        );
+    }
     let warm = autotune_cache_warm();
     let mut rows = Vec::new();
     for &choice in &a.device {
