@@ -93,18 +93,6 @@ fn rewrite_safetensors(
     safetensors::serialize_to_file(views, Some(meta), dst).unwrap();
 }
 
-/// Plain text of `words` words drawn from a small vocabulary.
-fn words(words: usize, seed: u64) -> String {
-    const W: [&str; 12] = [
-        "the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", ".",
-    ];
-    let mut rng = tiny::Rng::new(seed);
-    (0..words)
-        .map(|_| W[((rng.next_f32() + 1.0) * 6.0) as usize % W.len()])
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 /// The good and broken files every row reads, in one directory.
 fn fixture(d: &Path) {
     let t = tiny::tiny();
@@ -209,14 +197,14 @@ fn fixture(d: &Path) {
     std::fs::write(d.join("latin1.txt"), b"caf\xe9 au lait").unwrap();
     std::fs::write(d.join("empty.txt"), b"").unwrap();
     std::fs::write(d.join("short.txt"), "the cat sat").unwrap();
-    std::fs::write(d.join("long.txt"), words(300, 5)).unwrap();
+    std::fs::write(d.join("long.txt"), tiny::words(300, 5)).unwrap();
     std::fs::create_dir(d.join("calib")).unwrap();
     for i in 0..4 {
-        std::fs::write(d.join(format!("calib/doc{i}.txt")), words(150, i + 1)).unwrap();
+        std::fs::write(d.join(format!("calib/doc{i}.txt")), tiny::words(150, i + 1)).unwrap();
     }
     let latin1: Vec<u8> = (0..4)
         .flat_map(|i| {
-            let mut b = words(150, i + 11).into_bytes();
+            let mut b = tiny::words(150, i + 11).into_bytes();
             b.extend_from_slice(b" caf\xe9 au lait.\n");
             b
         })
@@ -991,7 +979,11 @@ fn long_fit_fixture(d: &Path) {
     );
     std::fs::create_dir(d.join("big")).unwrap();
     for i in 0..12 {
-        std::fs::write(d.join(format!("big/doc{i}.txt")), words(20_000, i + 100)).unwrap();
+        std::fs::write(
+            d.join(format!("big/doc{i}.txt")),
+            tiny::words(20_000, i + 100),
+        )
+        .unwrap();
     }
 }
 

@@ -25,6 +25,14 @@ fn ridgefill(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
 fn tiny_model(dir: &Path) -> String {
     let path = dir.join("tiny.gguf");
     tiny::write_gguf(&tiny::tiny(), &path, &tiny::Faults::default());
@@ -111,18 +119,10 @@ fn bench_json_has_llama_bench_fields_and_fill_speedups() {
     }
     // Fill rows' speed-up is the mean of per-repetition ratios against the full rows.
     for pair in rows.chunks(2) {
-        let full: Vec<f64> = pair[0]["samples_ts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
-        let fill: Vec<f64> = pair[1]["samples_ts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
+        let (full, fill) = (
+            floats(&pair[0]["samples_ts"]),
+            floats(&pair[1]["samples_ts"]),
+        );
         let want = fill.iter().zip(&full).map(|(a, b)| a / b).sum::<f64>() / REPS as f64;
         let got = pair[1]["speedup_vs_full"].as_f64().unwrap();
         assert!((got - want).abs() < 1e-9, "{got} vs {want}");
@@ -228,18 +228,6 @@ fn probe_cpu_reports_positive_ceilings() {
     assert!(v["fma_gflops"].as_f64().unwrap() > 0.1, "{v}");
 }
 
-/// Calibration text from a small word list (the tiny tokenizer covers these words).
-fn words(n: usize, seed: u64) -> String {
-    const W: [&str; 12] = [
-        "the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", ".",
-    ];
-    let mut rng = tiny::Rng::new(seed);
-    (0..n)
-        .map(|_| W[((rng.next_f32() + 1.0) * 6.0) as usize % W.len()])
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 #[test]
 fn bench_with_a_fitted_fill_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -247,7 +235,7 @@ fn bench_with_a_fitted_fill_file() {
     let calib = dir.path().join("calib");
     std::fs::create_dir(&calib).unwrap();
     for i in 0..4 {
-        std::fs::write(calib.join(format!("doc{i}.txt")), words(150, i + 1)).unwrap();
+        std::fs::write(calib.join(format!("doc{i}.txt")), tiny::words(150, i + 1)).unwrap();
     }
     let fill = dir.path().join("tiny.fill");
     let (ok, _, stderr) = ridgefill(&[

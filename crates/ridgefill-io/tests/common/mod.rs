@@ -539,3 +539,15 @@ pub fn assert_names(err: &ridgefill_io::IoError, path: &Path, needles: &[&str]) 
         assert!(msg.contains(n), "message does not mention {n:?}: {msg}");
     }
 }
+
+/// Text from a small word list the tiny tokenizer covers (calibration and prompt fixtures).
+pub fn words(n: usize, seed: u64) -> String {
+    const W: [&str; 12] = [
+        "the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", ".",
+    ];
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| W[((rng.next_f32() + 1.0) * 6.0) as usize % W.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
