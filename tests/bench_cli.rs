@@ -217,6 +217,21 @@ fn bench_refuses_nonsense() {
     let (ok, _, stderr) = ridgefill(&["bench", "-m", "synthetic:gpt-17", "--device", "cpu"]);
     assert!(!ok);
     assert!(stderr.contains("unknown synthetic shape"), "{stderr}");
+    let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-o", "xml"]);
+    assert!(!ok);
+    assert!(stderr.contains("invalid value 'xml'"), "{stderr}");
+    let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-p", "0", "-n", "0"]);
+    assert!(!ok);
+    assert!(stderr.contains("nothing to measure"), "{stderr}");
+    let (ok, _, stderr) = ridgefill(&["parity", "-m", &model, "--device", "cpu"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("parity needs at least two devices"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = ridgefill(&["probe", "--device", "tpu"]);
+    assert!(!ok);
+    assert!(stderr.contains("unknown device \"tpu\""), "{stderr}");
 }
 
 #[test]
