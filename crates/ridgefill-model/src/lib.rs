@@ -4,6 +4,8 @@
 //! loaded model serves full prefill, skip-and-fill prefill, decode and scoring alike.
 
 pub mod cache;
+#[cfg(feature = "flex")]
+pub mod cpu;
 pub mod device;
 pub mod error;
 pub mod eval;

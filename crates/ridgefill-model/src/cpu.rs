@@ -1,0 +1,560 @@
+//! Fused f32 kernels for the flex (CPU) backend.
+//!
+//! burn-flex runs elementwise ops on one thread and its attention scores and exponentiates every
+//! causally masked entry; profiling pp512 put over a third of prefill there (docs/BENCHMARKS.md).
+//! These kernels do the same maths row-parallel, skip the masked half, and leave every matmul to
+//! `gemm`, the GEMM flex itself uses. The model calls them only when [`enabled`] says the device is
+//! flex and the activations f32; everywhere else it runs the backend-free burn ops.
+
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::{DispatchDevice, Flex};
+use burn::tensor::{Bytes, DType, Device, FloatDType, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Elements below which a kernel stays on the calling thread (rayon's hand-off costs more).
+const PARALLEL_MIN: usize = 1 << 15;
+/// Query rows per attention task: enough rows for an efficient GEMM, enough tasks to balance.
+const QUERY_BLOCK: usize = 64;
+
+/// Environment variable that turns the fused kernels off (`0` or `off`), to measure them against
+/// the plain burn ops side by side.
+pub const SWITCH: &str = "RIDGEFILL_CPU_KERNELS";
+
+/// Whether the fused kernels apply: flex device, f32 activations and not switched off.
+pub fn enabled(device: &Device, dtype: FloatDType) -> bool {
+    let off = std::env::var(SWITCH).is_ok_and(|v| matches!(v.as_str(), "0" | "off"));
+    !off && matches!(device.as_dispatch(), DispatchDevice::Flex(_)) && dtype == FloatDType::F32
+}
+
+fn flex<const D: usize>(t: Tensor<D>) -> FlexTensor {
+    let t = t
+        .try_into_primitive::<Flex>()
+        .expect("cpu kernels are called only on flex tensors (see `enabled`)");
+    if t.layout().has_contiguous_inner() {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
+fn wrap<const D: usize>(data: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
+    let layout = Layout::contiguous(Shape::from(shape.to_vec()));
+    Tensor::from_primitive::<Flex>(FlexTensor::new(Bytes::from_elems(data), layout, DType::F32))
+}
+
+/// A 2-D f32 view: the storage from the first element on, and the row stride.
+fn rows2(t: &FlexTensor) -> (&[f32], usize) {
+    let l = t.layout();
+    (
+        &t.storage::<f32>()[l.start_offset()..],
+        l.strides()[0] as usize,
+    )
+}
+
+/// A 4-D `[1, heads, rows, hd]` f32 view: storage from the first element, head and row strides.
+fn heads4(x: &FlexTensor) -> (&[f32], usize, isize) {
+    let l = x.layout();
+    let s = l.strides();
+    (&x.storage::<f32>()[l.start_offset()..], s[1] as usize, s[2])
+}
+
+/// Defines `fn $name` that runs its body compiled for AVX-512 or AVX2+FMA when the CPU has them,
+/// so the body's loops vectorise wide whatever the build's target CPU.
+macro_rules! simd_fn {
+    ($(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name($($a: $t),*) {
+            #[inline(always)]
+            fn inner($($a: $t),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")]
+                unsafe fn v4($($a: $t),*) {
+                    inner($($a),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn v3($($a: $t),*) {
+                    inner($($a),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has every feature `v4` enables (checked just above).
+                    return unsafe { v4($($a),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: as above, for `v3`.
+                    return unsafe { v3($($a),*) };
+                }
+            }
+            inner($($a),*)
+        }
+    };
+}
+
+/// Accumulator lanes: independent partial results let the reductions below vectorise (f32
+/// addition is not associative, so the compiler never reorders a single running sum).
+const LANES: usize = 16;
+
+#[inline(always)]
+fn max_of(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+        }
+    }
+    let tail = chunks.remainder().iter();
+    acc.iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+}
+
+/// Σ x².
+#[inline(always)]
+fn sum_squares(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            acc[j] += c[j] * c[j];
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().map(|x| x * x).sum::<f32>()
+}
+
+/// Replaces each x by e^(x - shift) and returns their sum.
+#[inline(always)]
+fn exp_shifted_sum(xs: &mut [f32], shift: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            c[j] = exp(c[j] - shift);
+            acc[j] += c[j];
+        }
+    }
+    let mut sum = acc.iter().sum::<f32>();
+    for x in chunks.into_remainder() {
+        *x = exp(*x - shift);
+        sum += *x;
+    }
+    sum
+}
+
+simd_fn! {
+    /// Normalises rows `r0..` of `xs` into `out` (whole rows of `d`).
+    fn norm_rows(xs: &[f32], stride: usize, r0: usize, out: &mut [f32], w: &[f32], eps: f32) {
+        let d = w.len();
+        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+            let row = &xs[(r0 + i) * stride..][..d];
+            let inv = 1.0 / (sum_squares(row) / d as f32 + eps).sqrt();
+            for ((o, &v), &w) in o.iter_mut().zip(row).zip(w) {
+                *o = v * inv * w;
+            }
+        }
+    }
+}
+
+simd_fn! {
+    /// `silu(gate) · up` for rows `r0..` of `gs` (gate columns then up columns) into `out`.
+    fn swiglu_rows(gs: &[f32], stride: usize, r0: usize, out: &mut [f32], ff: usize) {
+        for (i, o) in out.chunks_exact_mut(ff).enumerate() {
+            let (gate, up) = gs[(r0 + i) * stride..][..2 * ff].split_at(ff);
+            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + exp(-g)) * u;
+            }
+        }
+    }
+}
+
+simd_fn! {
+    /// Rotates whole heads (`[n, hd]` each in `out`) read from columns `col0 + h·hd` of `xs`,
+    /// rows at positions `pos..`; cos/sin are `[positions, hd]` tables.
+    fn rope_heads(
+        xs: &[f32],
+        stride: usize,
+        col0: usize,
+        out: &mut [f32],
+        n: usize,
+        hd: usize,
+        cos: &[f32],
+        sin: &[f32],
+        pos: usize,
+    ) {
+        let half = hd / 2;
+        for (hi, head) in out.chunks_exact_mut(n * hd).enumerate() {
+            let col = col0 + hi * hd;
+            for (i, o) in head.chunks_exact_mut(hd).enumerate() {
+                let x = &xs[i * stride + col..][..hd];
+                let c = &cos[(pos + i) * hd..][..hd];
+                let s = &sin[(pos + i) * hd..][..hd];
+                let (o1, o2) = o.split_at_mut(half);
+                let (x1, x2) = x.split_at(half);
+                let ((c1, c2), (s1, s2)) = (c.split_at(half), s.split_at(half));
+                for (j, o) in o1.iter_mut().enumerate() {
+                    *o = x1[j] * c1[j] - x2[j] * s1[j];
+                }
+                for (j, o) in o2.iter_mut().enumerate() {
+                    *o = x2[j] * c2[j] + x1[j] * s2[j];
+                }
+            }
+        }
+    }
+}
+
+simd_fn! {
+    /// Causal softmax over score rows of width `kv_end`; row `i` sees its first `seen0 + i` keys
+    /// and the rest are zeroed.
+    fn softmax_rows(scores: &mut [f32], kv_end: usize, seen0: usize) {
+        for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
+            let (live, masked) = row.split_at_mut(seen0 + i);
+            let max = max_of(live);
+            let inv = 1.0 / exp_shifted_sum(live, max);
+            live.iter_mut().for_each(|s| *s *= inv);
+            masked.fill(0.0);
+        }
+    }
+}
+
+/// `e^x` to about 2 ulp (Cephes polynomial, branch-free so loops over it vectorise).
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two so `n·ln2` subtracts exactly.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding 1.5·2^23 rounds to the nearest integer in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    // 2^n built from its exponent bits: ROUND + 127 + n holds n + 127 in its low mantissa bits
+    // (a bit cast, where `n as i32` would saturate lane by lane and stop vectorisation).
+    let biased = (n + (ROUND + 127.0))
+        .to_bits()
+        .wrapping_sub(ROUND.to_bits());
+    y * f32::from_bits(biased << 23)
+}
+
+/// Splits `out` into chunks of whole rows and runs `f(first_row, chunk)` on each, in parallel when
+/// the work is large enough.
+fn for_rows(out: &mut [f32], row_len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let rows = out.len() / row_len.max(1);
+    if out.len() < PARALLEL_MIN || rows < 2 {
+        f(0, out);
+        return;
+    }
+    let per_task = rows.div_ceil(rayon::current_num_threads() * 4).max(1);
+    out.par_chunks_mut(per_task * row_len)
+        .enumerate()
+        .for_each(|(i, chunk)| f(i * per_task, chunk));
+}
+
+/// Multiply-adds below which a GEMM stays on the calling thread (burn-flex's own threshold).
+const GEMM_PARALLEL_MIN: usize = 192 * 192 * 192;
+
+/// `x · w`, plus `residual` when given, as one GEMM into a fresh buffer. burn-flex zeroes each
+/// output and, when the allocator hands back memory short of its 64-byte alignment, copies it
+/// once more; here the residual (or nothing) is the only write before the GEMM's.
+fn gemm_into(x: Tensor<2>, w: &Tensor<2>, residual: Option<Tensor<2>>) -> Tensor<2> {
+    let [m, k] = x.dims();
+    let [k2, n] = w.dims();
+    assert_eq!(k, k2, "matmul inner dimensions");
+    let (x, w) = (flex(x), flex(w.clone()));
+    let (xs, x_row) = rows2(&x);
+    let (ws, w_row) = rows2(&w);
+    let mut out: Vec<f32> = match residual {
+        Some(r) => {
+            let r = flex(r);
+            let (rs, r_row) = rows2(&r);
+            let mut out = Vec::with_capacity(m * n);
+            (0..m).for_each(|i| out.extend_from_slice(&rs[i * r_row..][..n]));
+            out
+        }
+        None => Vec::with_capacity(m * n),
+    };
+    let accumulate = !out.is_empty();
+    let parallelism = if m * n * k >= GEMM_PARALLEL_MIN {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    assert!(xs.len() >= (m - 1) * x_row + k && ws.len() >= (k - 1) * w_row + n);
+    // SAFETY: the operands' extents are checked just above; `out` has room for m·n elements and
+    // the GEMM writes every one of them (reading them first only when they hold the residual).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            xs.as_ptr(),
+            1,
+            x_row as isize,
+            ws.as_ptr(),
+            1,
+            w_row as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        out.set_len(m * n);
+    }
+    wrap(out, [m, n])
+}
+
+/// Matrix product.
+///
+/// # Shapes
+/// - x: `[m, k]`, w: `[k, n]` → `[m, n]`
+pub fn matmul(x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
+    gemm_into(x, w, None)
+}
+
+/// Matrix product added to a residual stream.
+///
+/// # Shapes
+/// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
+pub fn matmul_add(x: Tensor<2>, w: &Tensor<2>, residual: Tensor<2>) -> Tensor<2> {
+    assert_eq!(
+        residual.dims(),
+        [x.dims()[0], w.dims()[1]],
+        "residual shape"
+    );
+    gemm_into(x, w, Some(residual))
+}
+
+/// RMSNorm with a weight, computed as Hugging Face does in f32: `x / sqrt(mean(x²) + eps) · w`.
+///
+/// # Shapes
+/// - x: `[n, d]`, weight: `[d]` → `[n, d]`
+pub fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
+    let [n, d] = x.dims();
+    let x = flex(x);
+    let w = flex(weight.clone());
+    let (xs, stride) = rows2(&x);
+    let ws = &w.storage::<f32>()[w.layout().start_offset()..][..d];
+    let eps = eps as f32;
+    let mut out = vec![0f32; n * d];
+    for_rows(&mut out, d, |r0, chunk| {
+        norm_rows(xs, stride, r0, chunk, ws, eps)
+    });
+    wrap(out, [n, d])
+}
+
+/// SwiGLU: `silu(gate) · up` over the fused gate/up projection's output.
+///
+/// # Shapes
+/// - gate_up: `[n, 2·ff]` (gate columns then up columns) → `[n, ff]`
+pub fn swiglu(gate_up: Tensor<2>) -> Tensor<2> {
+    let [n, two_ff] = gate_up.dims();
+    let ff = two_ff / 2;
+    let g = flex(gate_up);
+    let (gs, stride) = rows2(&g);
+    let mut out = vec![0f32; n * ff];
+    for_rows(&mut out, ff, |r0, chunk| {
+        swiglu_rows(gs, stride, r0, chunk, ff)
+    });
+    wrap(out, [n, ff])
+}
+
+/// Splits the fused QKV projection into heads and rotates Q and K (rotate-half RoPE) at positions
+/// `pos..pos+n`; V is only regrouped by head.
+///
+/// # Shapes
+/// - qkv: `[n, (heads + 2·kv_heads)·hd]`, cos/sin: `[positions, hd]` host tables
+///   → q `[1, heads, n, hd]`, k and v `[1, kv_heads, n, hd]`
+pub fn qkv_rope(
+    qkv: Tensor<2>,
+    heads: usize,
+    kv_heads: usize,
+    cos: &[f32],
+    sin: &[f32],
+    pos: usize,
+) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+    let [n, width] = qkv.dims();
+    let hd = width / (heads + 2 * kv_heads);
+    let x = flex(qkv);
+    let (xs, stride) = rows2(&x);
+    // Heads `first..first+count` of the projection, one `[n, hd]` block each, rotated or not.
+    let regroup = |first: usize, count: usize, rotate: bool| {
+        let mut out = vec![0f32; count * n * hd];
+        for_rows(&mut out, n * hd, |h0, chunk| {
+            let col0 = (first + h0) * hd;
+            if rotate {
+                rope_heads(xs, stride, col0, chunk, n, hd, cos, sin, pos);
+            } else {
+                for (hi, head) in chunk.chunks_exact_mut(n * hd).enumerate() {
+                    for (i, o) in head.chunks_exact_mut(hd).enumerate() {
+                        o.copy_from_slice(&xs[i * stride + col0 + hi * hd..][..hd]);
+                    }
+                }
+            }
+        });
+        out
+    };
+    let q = wrap(regroup(0, heads, true), [1, heads, n, hd]);
+    let k = wrap(regroup(heads, kv_heads, true), [1, kv_heads, n, hd]);
+    let v = wrap(
+        regroup(heads + kv_heads, kv_heads, false),
+        [1, kv_heads, n, hd],
+    );
+    (q, k, v)
+}
+
+/// Causal grouped-query attention of the last `n` of `t` positions, heads merged on output.
+/// Each task takes one head and a block of query rows and multiplies only the keys its rows see.
+///
+/// # Shapes
+/// - q: `[1, heads, n, hd]`, k/v: `[1, kv_heads, t, hd]` (t ≥ n) → `[n, heads·hd]`
+pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<2> {
+    let [_, heads, n, hd] = q.dims();
+    let [_, kv_heads, t, _] = k.dims();
+    let group = heads / kv_heads;
+    let (q, k, v) = (flex(q), flex(k), flex(v));
+    let (qs, q_head, q_row) = heads4(&q);
+    let (ks, k_head, k_row) = heads4(&k);
+    let (vs, v_head, v_row) = heads4(&v);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let width = heads * hd;
+    let blocks = n.div_ceil(QUERY_BLOCK);
+    let past = t - n;
+    let mut out = vec![0f32; n * width];
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let task = |scores: &mut Vec<f32>, job: usize| {
+        let (h, b) = (job / blocks, job % blocks);
+        let r0 = b * QUERY_BLOCK;
+        let rb = QUERY_BLOCK.min(n - r0);
+        let kv_end = past + r0 + rb;
+        scores.resize(rb * kv_end, 0.0);
+        let kh = h / group;
+        // SAFETY: every pointer addresses rows inside the tensors' storage (shapes checked by the
+        // caller), and each task writes a disjoint [rows r0..r0+rb, columns h·hd..] block of out.
+        unsafe {
+            gemm::gemm(
+                rb,
+                kv_end,
+                hd,
+                scores.as_mut_ptr(),
+                1,
+                kv_end as isize,
+                false,
+                qs.as_ptr().add(h * q_head + r0 * q_row as usize),
+                1,
+                q_row,
+                ks.as_ptr().add(kh * k_head),
+                k_row,
+                1,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        softmax_rows(scores, kv_end, past + r0 + 1);
+        unsafe {
+            gemm::gemm(
+                rb,
+                hd,
+                kv_end,
+                out_ptr.get().add(r0 * width + h * hd),
+                1,
+                width as isize,
+                false,
+                scores.as_ptr(),
+                1,
+                kv_end as isize,
+                vs.as_ptr().add(kh * v_head),
+                1,
+                v_row,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    };
+    let jobs = heads * blocks;
+    if heads * n * t * hd < PARALLEL_MIN * 8 {
+        let mut scores = Vec::new();
+        (0..jobs).for_each(|j| task(&mut scores, j));
+    } else {
+        (0..jobs)
+            .into_par_iter()
+            .for_each_init(Vec::new, |scores, j| task(scores, j));
+    }
+    wrap(out, [n, width])
+}
+
+/// A raw output pointer shared by tasks that write disjoint parts of one buffer.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint regions, and the buffer outlives them (all join before it is read).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_a_few_ulp_of_std() {
+        const STEPS: usize = 100_000;
+        let (lo, hi) = (-87.0f32, 88.0f32);
+        for i in 0..=STEPS {
+            let x = lo + (hi - lo) * i as f32 / STEPS as f32;
+            let (got, want) = (exp(x), x.exp());
+            let rel = ((got - want) / want).abs();
+            assert!(rel < 4.0 * f32::EPSILON, "exp({x}) = {got}, std {want}");
+        }
+        // Far below the range: clamped to a tiny positive value, never NaN or a negative.
+        let tiny = exp(-1.0e4);
+        assert!((0.0..1e-37).contains(&tiny), "exp(-1e4) = {tiny}");
+    }
+
+    #[test]
+    fn softmax_rows_are_causal_and_sum_to_one() {
+        let (rows, width, seen0) = (3, 5, 2);
+        let mut s: Vec<f32> = (0..rows * width).map(|i| (i % 7) as f32 * 0.5).collect();
+        let orig = s.clone();
+        softmax_rows(&mut s, width, seen0);
+        for r in 0..rows {
+            let row = &s[r * width..][..width];
+            let live = seen0 + r;
+            assert!(row[live..].iter().all(|&x| x == 0.0), "row {r}: {row:?}");
+            let o = &orig[r * width..][..live];
+            let m = o.iter().cloned().fold(f32::MIN, f32::max);
+            let z: f32 = o.iter().map(|x| (x - m).exp()).sum();
+            for (j, &x) in row[..live].iter().enumerate() {
+                let want = (o[j] - m).exp() / z;
+                assert!((x - want).abs() < 1e-6, "row {r} col {j}: {x} vs {want}");
+            }
+        }
+    }
+}
