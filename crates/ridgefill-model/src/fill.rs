@@ -127,7 +127,7 @@ impl Llama {
         let upper = self.num_layers() - maps.split;
         let b = h_split.dims()[0];
         // One GEMM for every upper layer's K and V.
-        let y = self.fill_features(h_split).matmul(maps.w.clone());
+        let y = self.linear(self.fill_features(h_split), &maps.w);
         // [b, upper·2·kvh, hd] → [upper, 2, kvh, b, hd]
         let y = y
             .reshape([b, upper * 2 * kvh, hd])

@@ -40,6 +40,9 @@ pub struct Llama {
     pub rope: Rope,
     pub device: Device,
     pub dtype: FloatDType,
+    /// Run norms, RoPE, attention and SwiGLU through the fused flex kernels ([`crate::cpu`]); on
+    /// by default where they apply (flex, f32), off to compare against the plain burn ops.
+    pub cpu_kernels: bool,
 }
 
 /// Options for loading a model onto a device.
@@ -155,6 +158,17 @@ fn transposed(data: &[f32], rows: usize, cols: usize, device: &Device) -> Tensor
     Tensor::from_data(TensorData::new(t, [cols, rows]), device)
 }
 
+/// Whether the fused flex kernels can run on `device` at `dtype`.
+pub fn cpu_kernels_apply(device: &Device, dtype: FloatDType) -> bool {
+    #[cfg(feature = "flex")]
+    return crate::cpu::enabled(device, dtype);
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = (device, dtype);
+        false
+    }
+}
+
 impl Llama {
     /// Loads every weight of `ckpt` onto `device`, checking names, sizes and finiteness.
     pub fn load(ckpt: &Checkpoint, device: &Device, opts: &LoadOptions) -> Result<Self> {
@@ -227,6 +241,7 @@ impl Llama {
             rope,
             device: device.clone(),
             dtype: opts.dtype,
+            cpu_kernels: cpu_kernels_apply(device, opts.dtype),
         })
     }
 
@@ -264,11 +279,28 @@ impl Llama {
         Ok(self.embed_tokens.clone().select(0, ids))
     }
 
+    /// `x · w` through the flex GEMM without burn-flex's extra output passes where the fused
+    /// kernels apply, else burn's matmul.
+    ///
+    /// # Shapes
+    /// - x: `[m, k]`, w: `[k, n]` → `[m, n]`
+    pub fn linear(&self, x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
+        #[cfg(feature = "flex")]
+        if self.cpu_kernels && w.dtype() == x.dtype() {
+            return crate::cpu::matmul(x, w);
+        }
+        x.matmul(w.clone())
+    }
+
     /// RMSNorm, computed in f32 whatever the activation dtype (f16 squares overflow).
     ///
     /// # Shapes
     /// - x: `[n, hidden]`, weight: `[hidden]` → `[n, hidden]`
     pub fn rms_norm(&self, x: Tensor<2>, weight: Option<&Tensor<1>>) -> Tensor<2> {
+        #[cfg(feature = "flex")]
+        if let (true, Some(w)) = (self.cpu_kernels, weight) {
+            return crate::cpu::rms_norm(x, w, self.config.rms_norm_eps);
+        }
         let half = self.dtype != FloatDType::F32;
         let x32 = if half { x.cast(FloatDType::F32) } else { x };
         let eps = self.config.rms_norm_eps;
@@ -388,11 +420,24 @@ impl Llama {
         );
 
         let x = self.rms_norm(h.clone(), Some(&layer.input_layernorm));
-        let qkv = x.matmul(layer.qkv_proj.clone());
+        let qkv = self.linear(x, &layer.qkv_proj);
         let q_dim = heads * hd;
-        let q = self.split_heads(qkv.clone().narrow(1, 0, q_dim), heads);
+        let kv_pre = qkv.clone().narrow(1, q_dim, 2 * kv_heads * hd);
+        #[cfg(feature = "flex")]
+        if self.cpu_kernels {
+            let (cos, sin) = self.rope.host_tables();
+            let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, cos, sin, pos);
+            cache.append(l, k, v);
+            let (k_all, v_all) = cache.read(l);
+            let a = crate::cpu::attention(q, k_all, v_all);
+            let h = crate::cpu::matmul_add(a, &layer.o_proj, h);
+            let x = self.rms_norm(h.clone(), Some(&layer.post_attention_layernorm));
+            let gu = crate::cpu::matmul(x, &layer.gate_up_proj);
+            let act = crate::cpu::swiglu(gu);
+            return (crate::cpu::matmul_add(act, &layer.down_proj, h), kv_pre);
+        }
+        let q = self.split_heads(qkv.narrow(1, 0, q_dim), heads);
         let q = self.rope.apply(q, pos);
-        let kv_pre = qkv.narrow(1, q_dim, 2 * kv_heads * hd);
         let (k, v) = self.split_kv(kv_pre.clone());
         let k = self.rope.apply(k, pos);
         cache.append(l, k, v);
@@ -447,8 +492,7 @@ impl Llama {
     /// # Shapes
     /// - h: `[m, hidden]` → `[m, vocab]`
     pub fn head(&self, h: Tensor<2>) -> Tensor<2> {
-        self.rms_norm(h, Some(&self.norm))
-            .matmul(self.lm_head.clone())
+        self.linear(self.rms_norm(h, Some(&self.norm)), &self.lm_head)
     }
 
     /// Full prefill of `tokens` after the cache's current contents; returns last-position logits.

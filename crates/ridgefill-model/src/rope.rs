@@ -7,6 +7,9 @@ use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 pub struct Rope {
     cos: Tensor<2>,
     sin: Tensor<2>,
+    /// The same tables on the host, for the fused CPU kernels.
+    cos_host: Vec<f32>,
+    sin_host: Vec<f32>,
     head_dim: usize,
     max_positions: usize,
 }
@@ -46,11 +49,18 @@ impl Rope {
         }
         let shape = [max_positions, head_dim];
         Self {
-            cos: Tensor::<2>::from_data(TensorData::new(cos, shape), device).cast(dtype),
-            sin: Tensor::<2>::from_data(TensorData::new(sin, shape), device).cast(dtype),
+            cos: Tensor::<2>::from_data(TensorData::new(cos.clone(), shape), device).cast(dtype),
+            sin: Tensor::<2>::from_data(TensorData::new(sin.clone(), shape), device).cast(dtype),
+            cos_host: cos,
+            sin_host: sin,
             head_dim,
             max_positions,
         }
+    }
+
+    /// Host cos and sin tables, `[max_positions, head_dim]` row-major f32.
+    pub fn host_tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos_host, &self.sin_host)
     }
 
     pub fn max_positions(&self) -> usize {

@@ -135,6 +135,7 @@ impl Llama {
             rope,
             device: device.clone(),
             dtype,
+            cpu_kernels: crate::llama::cpu_kernels_apply(device, dtype),
         })
     }
 }
