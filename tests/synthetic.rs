@@ -340,3 +340,76 @@ fn wgpu_matches_flex_on_tiny_model() {
     let d = common::max_abs_diff(&a, &b);
     assert!(d < TOL, "skip-fill flex vs wgpu max |Δ| {d}");
 }
+
+/// The fused flex kernels against the plain burn ops on one random model: a prompt long enough
+/// for every kernel's parallel path and several attention query blocks, a second prefill chunk
+/// after cached rows, decode steps and skip-and-fill, with grouped-query heads.
+#[test]
+fn fused_cpu_kernels_match_plain_burn_ops() {
+    common::init();
+    const PROMPT: usize = 300;
+    const CHUNK: usize = 70;
+    const STEPS: usize = 3;
+    let config: ridgefill::io::config::ModelConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 512,
+        "max_position_embeddings": 1024, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let capacity = PROMPT + CHUNK + STEPS;
+    // The same seed gives the same weights.
+    let model = || {
+        Llama::random(
+            config.clone(),
+            &Device::flex(),
+            FloatDType::F32,
+            capacity,
+            7,
+        )
+    };
+    let fused = model().unwrap();
+    assert!(fused.cpu_kernels, "flex f32 must take the fused kernels");
+    let mut plain = model().unwrap();
+    plain.cpu_kernels = false;
+    let ids = prompt(capacity, fused.config.vocab_size);
+    let (mut ca, mut cb) = (fused.new_cache(capacity), plain.new_cache(capacity));
+    let check = |what: &str, a: Vec<f32>, b: Vec<f32>| {
+        let d = common::max_abs_diff(&a, &b);
+        assert!(d < TOL, "{what}: fused vs plain max |Δ| {d}");
+    };
+    let all = |m: &Llama, c: &mut _| to_host_f32(m.forward_all_logits(&ids[..PROMPT], c).unwrap());
+    check(
+        "prefill, every position",
+        all(&fused, &mut ca),
+        all(&plain, &mut cb),
+    );
+    let chunk = &ids[PROMPT..PROMPT + CHUNK];
+    check(
+        "second chunk after cached rows",
+        to_host_f32(fused.prefill(chunk, &mut ca).unwrap()),
+        to_host_f32(plain.prefill(chunk, &mut cb).unwrap()),
+    );
+    for &t in &ids[PROMPT + CHUNK..] {
+        check(
+            "decode step",
+            to_host_f32(fused.decode_step(t, &mut ca).unwrap()),
+            to_host_f32(plain.decode_step(t, &mut cb).unwrap()),
+        );
+    }
+    let maps = random_maps(&fused, 1, 11);
+    let rows = FillRows { sink: 1, tail: 40 };
+    check(
+        "skip-and-fill prefill",
+        to_host_f32(
+            fused
+                .prefill_fill(&ids[..PROMPT], &mut fused.new_cache(PROMPT), &maps, rows)
+                .unwrap(),
+        ),
+        to_host_f32(
+            plain
+                .prefill_fill(&ids[..PROMPT], &mut plain.new_cache(PROMPT), &maps, rows)
+                .unwrap(),
+        ),
+    );
+}
