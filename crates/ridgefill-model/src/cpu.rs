@@ -171,35 +171,31 @@ simd_fn! {
 }
 
 simd_fn! {
-    /// Rotates whole heads (`[n, hd]` each in `out`) read from columns `col0 + h·hd` of `xs`,
-    /// rows at positions `pos..`; cos/sin are `[positions, hd]` tables.
-    fn rope_heads(
+    /// Rotates one head (`[n, hd]` in `out`) read from columns `col..col+hd` of `xs`, rows at
+    /// positions `pos..`; cos/sin are `[positions, hd]` tables.
+    fn rope_head(
         xs: &[f32],
         stride: usize,
-        col0: usize,
+        col: usize,
         out: &mut [f32],
-        n: usize,
         hd: usize,
         cos: &[f32],
         sin: &[f32],
         pos: usize,
     ) {
         let half = hd / 2;
-        for (hi, head) in out.chunks_exact_mut(n * hd).enumerate() {
-            let col = col0 + hi * hd;
-            for (i, o) in head.chunks_exact_mut(hd).enumerate() {
-                let x = &xs[i * stride + col..][..hd];
-                let c = &cos[(pos + i) * hd..][..hd];
-                let s = &sin[(pos + i) * hd..][..hd];
-                let (o1, o2) = o.split_at_mut(half);
-                let (x1, x2) = x.split_at(half);
-                let ((c1, c2), (s1, s2)) = (c.split_at(half), s.split_at(half));
-                for (j, o) in o1.iter_mut().enumerate() {
-                    *o = x1[j] * c1[j] - x2[j] * s1[j];
-                }
-                for (j, o) in o2.iter_mut().enumerate() {
-                    *o = x2[j] * c2[j] + x1[j] * s2[j];
-                }
+        for (i, o) in out.chunks_exact_mut(hd).enumerate() {
+            let x = &xs[i * stride + col..][..hd];
+            let c = &cos[(pos + i) * hd..][..hd];
+            let s = &sin[(pos + i) * hd..][..hd];
+            let (o1, o2) = o.split_at_mut(half);
+            let (x1, x2) = x.split_at(half);
+            let ((c1, c2), (s1, s2)) = (c.split_at(half), s.split_at(half));
+            for (j, o) in o1.iter_mut().enumerate() {
+                *o = x1[j] * c1[j] - x2[j] * s1[j];
+            }
+            for (j, o) in o2.iter_mut().enumerate() {
+                *o = x2[j] * c2[j] + x1[j] * s2[j];
             }
         }
     }
@@ -374,48 +370,88 @@ pub fn swiglu(gate_up: Tensor<2>) -> Tensor<2> {
     wrap(out, [n, ff])
 }
 
+/// Rotate-half RoPE at positions `pos..`: host `[positions, hd]` cos and sin tables.
+#[derive(Clone, Copy)]
+pub struct Rotation<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    pub pos: usize,
+}
+
+/// Gathers `count` heads of `hd` columns out of `x` (output head `j` is input head `src(j)`),
+/// rotating them when `rope` is given, in one row-parallel pass.
+///
+/// # Shapes
+/// - x: `[n, heads_in·hd]` → `[count, n, hd]` (flat)
+fn gather_heads(
+    x: &FlexTensor,
+    n: usize,
+    hd: usize,
+    count: usize,
+    src: impl Fn(usize) -> usize + Sync,
+    rope: Option<Rotation>,
+) -> Vec<f32> {
+    let (xs, stride) = rows2(x);
+    let mut out = vec![0f32; count * n * hd];
+    for_rows(&mut out, n * hd, |h0, chunk| {
+        for (i, head) in chunk.chunks_exact_mut(n * hd).enumerate() {
+            let col = src(h0 + i) * hd;
+            match rope {
+                Some(r) => rope_head(xs, stride, col, head, hd, r.cos, r.sin, r.pos),
+                None => head
+                    .chunks_exact_mut(hd)
+                    .enumerate()
+                    .for_each(|(row, o)| o.copy_from_slice(&xs[row * stride + col..][..hd])),
+            }
+        }
+    });
+    out
+}
+
 /// Splits the fused QKV projection into heads and rotates Q and K (rotate-half RoPE) at positions
 /// `pos..pos+n`; V is only regrouped by head.
 ///
 /// # Shapes
-/// - qkv: `[n, (heads + 2·kv_heads)·hd]`, cos/sin: `[positions, hd]` host tables
-///   → q `[1, heads, n, hd]`, k and v `[1, kv_heads, n, hd]`
+/// - qkv: `[n, (heads + 2·kv_heads)·hd]` → q `[1, heads, n, hd]`, k and v `[1, kv_heads, n, hd]`
 pub fn qkv_rope(
     qkv: Tensor<2>,
     heads: usize,
     kv_heads: usize,
-    cos: &[f32],
-    sin: &[f32],
-    pos: usize,
+    rope: Rotation,
 ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
     let [n, width] = qkv.dims();
     let hd = width / (heads + 2 * kv_heads);
     let x = flex(qkv);
-    let (xs, stride) = rows2(&x);
-    // Heads `first..first+count` of the projection, one `[n, hd]` block each, rotated or not.
-    let regroup = |first: usize, count: usize, rotate: bool| {
-        let mut out = vec![0f32; count * n * hd];
-        for_rows(&mut out, n * hd, |h0, chunk| {
-            let col0 = (first + h0) * hd;
-            if rotate {
-                rope_heads(xs, stride, col0, chunk, n, hd, cos, sin, pos);
-            } else {
-                for (hi, head) in chunk.chunks_exact_mut(n * hd).enumerate() {
-                    for (i, o) in head.chunks_exact_mut(hd).enumerate() {
-                        o.copy_from_slice(&xs[i * stride + col0 + hi * hd..][..hd]);
-                    }
-                }
-            }
-        });
-        out
-    };
-    let q = wrap(regroup(0, heads, true), [1, heads, n, hd]);
-    let k = wrap(regroup(heads, kv_heads, true), [1, kv_heads, n, hd]);
-    let v = wrap(
-        regroup(heads + kv_heads, kv_heads, false),
-        [1, kv_heads, n, hd],
-    );
-    (q, k, v)
+    let q = gather_heads(&x, n, hd, heads, |j| j, Some(rope));
+    let k = gather_heads(&x, n, hd, kv_heads, |j| heads + j, Some(rope));
+    let v = gather_heads(&x, n, hd, kv_heads, |j| heads + kv_heads + j, None);
+    (
+        wrap(q, [1, heads, n, hd]),
+        wrap(k, [1, kv_heads, n, hd]),
+        wrap(v, [1, kv_heads, n, hd]),
+    )
+}
+
+/// Splits the fill GEMM's output into every upper layer's K (rotated at positions `pos..`) and V.
+///
+/// # Shapes
+/// - y: `[b, layers·2·kv_heads·hd]` (per layer: K heads, then V heads)
+///   → k and v `[layers, kv_heads, b, hd]`
+pub fn fill_kv(
+    y: Tensor<2>,
+    layers: usize,
+    kv_heads: usize,
+    hd: usize,
+    rope: Rotation,
+) -> (Tensor<4>, Tensor<4>) {
+    let b = y.dims()[0];
+    let x = flex(y);
+    let count = layers * kv_heads;
+    let src = |j: usize, part: usize| (j / kv_heads * 2 + part) * kv_heads + j % kv_heads;
+    let k = gather_heads(&x, b, hd, count, |j| src(j, 0), Some(rope));
+    let v = gather_heads(&x, b, hd, count, |j| src(j, 1), None);
+    let shape = [layers, kv_heads, b, hd];
+    (wrap(k, shape), wrap(v, shape))
 }
 
 /// Causal grouped-query attention of the last `n` of `t` positions, heads merged on output.

@@ -122,12 +122,34 @@ impl Llama {
     /// # Shapes
     /// - h_split: `[b, hidden]` rows at positions `pos..pos+b`
     pub fn fill_cache(&self, maps: &FillMaps, h_split: Tensor<2>, cache: &mut KvCache, pos: usize) {
-        let cfg = &self.config;
-        let (kvh, hd) = (cfg.num_key_value_heads, cfg.head_dim());
         let upper = self.num_layers() - maps.split;
         let b = h_split.dims()[0];
         // One GEMM for every upper layer's K and V.
         let y = self.linear(self.fill_features(h_split), &maps.w);
+        let (k, v) = self.split_fill(y, upper, b, pos);
+        for i in 0..upper {
+            let kl = k.clone().narrow(0, i, 1);
+            let vl = v.clone().narrow(0, i, 1);
+            cache.append(maps.split + i, kl, vl);
+        }
+    }
+
+    /// Every upper layer's K, rotated at its row's position, and V out of the fill GEMM's output.
+    ///
+    /// # Shapes
+    /// - y: `[b, upper·2·kv_heads·hd]` → k and v `[upper, kv_heads, b, hd]`
+    fn split_fill(
+        &self,
+        y: Tensor<2>,
+        upper: usize,
+        b: usize,
+        pos: usize,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let (kvh, hd) = (self.config.num_key_value_heads, self.config.head_dim());
+        #[cfg(feature = "flex")]
+        if self.cpu_kernels {
+            return crate::cpu::fill_kv(y, upper, kvh, hd, self.rope.host(pos));
+        }
         // [b, upper·2·kvh, hd] → [upper, 2, kvh, b, hd]
         let y = y
             .reshape([b, upper * 2 * kvh, hd])
@@ -137,11 +159,7 @@ impl Llama {
         let v = y.narrow(1, 1, 1).reshape([upper, kvh, b, hd]);
         // One RoPE op over every upper layer's keys.
         let k = self.rope.apply(k, pos).reshape([upper, kvh, b, hd]);
-        for i in 0..upper {
-            let kl = k.clone().narrow(0, i, 1);
-            let vl = v.clone().narrow(0, i, 1);
-            cache.append(maps.split + i, kl, vl);
-        }
+        (k, v)
     }
 
     /// Skip-and-fill prefill of `tokens` into an empty cache; returns last-position logits.

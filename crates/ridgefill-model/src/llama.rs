@@ -425,8 +425,7 @@ impl Llama {
         let kv_pre = qkv.clone().narrow(1, q_dim, 2 * kv_heads * hd);
         #[cfg(feature = "flex")]
         if self.cpu_kernels {
-            let (cos, sin) = self.rope.host_tables();
-            let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, cos, sin, pos);
+            let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, self.rope.host(pos));
             cache.append(l, k, v);
             let (k_all, v_all) = cache.read(l);
             let a = crate::cpu::attention(q, k_all, v_all);

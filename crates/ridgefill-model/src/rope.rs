@@ -8,7 +8,9 @@ pub struct Rope {
     cos: Tensor<2>,
     sin: Tensor<2>,
     /// The same tables on the host, for the fused CPU kernels.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     cos_host: Vec<f32>,
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     sin_host: Vec<f32>,
     head_dim: usize,
     max_positions: usize,
@@ -58,9 +60,14 @@ impl Rope {
         }
     }
 
-    /// Host cos and sin tables, `[max_positions, head_dim]` row-major f32.
-    pub fn host_tables(&self) -> (&[f32], &[f32]) {
-        (&self.cos_host, &self.sin_host)
+    /// The host tables for the fused CPU kernels, rotating rows from position `pos` on.
+    #[cfg(feature = "flex")]
+    pub fn host(&self, pos: usize) -> crate::cpu::Rotation<'_> {
+        crate::cpu::Rotation {
+            cos: &self.cos_host,
+            sin: &self.sin_host,
+            pos,
+        }
     }
 
     pub fn max_positions(&self) -> usize {
