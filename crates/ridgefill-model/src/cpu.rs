@@ -51,6 +51,31 @@ fn rows2(t: &FlexTensor) -> (&[f32], usize) {
     )
 }
 
+/// A GEMM operand: any layout with non-negative strides as it is (a transposed view such as a
+/// tied output head needs no copy), anything else made contiguous.
+fn gemm_operand(t: Tensor<2>) -> FlexTensor {
+    let t = t
+        .try_into_primitive::<Flex>()
+        .expect("cpu kernels are called only on flex tensors (see `enabled`)");
+    if t.layout().strides().iter().all(|&s| s >= 0) {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
+/// A 2-D f32 view with any non-negative strides: storage from the first element, row and column
+/// strides.
+fn strided2(t: &FlexTensor) -> (&[f32], usize, usize) {
+    let l = t.layout();
+    let s = l.strides();
+    (
+        &t.storage::<f32>()[l.start_offset()..],
+        s[0] as usize,
+        s[1] as usize,
+    )
+}
+
 /// A 4-D `[1, heads, rows, hd]` f32 view: storage from the first element, head and row strides.
 fn heads4(x: &FlexTensor) -> (&[f32], usize, isize) {
     let l = x.layout();
@@ -266,9 +291,13 @@ fn gemm_into(x: Tensor<2>, w: &Tensor<2>, residual: Option<Tensor<2>>) -> Tensor
     let [m, k] = x.dims();
     let [k2, n] = w.dims();
     assert_eq!(k, k2, "matmul inner dimensions");
-    let (x, w) = (flex(x), flex(w.clone()));
-    let (xs, x_row) = rows2(&x);
-    let (ws, w_row) = rows2(&w);
+    if m * n * k == 0 {
+        let p = x.matmul(w.clone());
+        return residual.map_or(p.clone(), |r| r + p);
+    }
+    let (x, w) = (gemm_operand(x), gemm_operand(w.clone()));
+    let (xs, x_rs, x_cs) = strided2(&x);
+    let (ws, w_rs, w_cs) = strided2(&w);
     let mut out: Vec<f32> = match residual {
         Some(r) => {
             let r = flex(r);
@@ -285,7 +314,10 @@ fn gemm_into(x: Tensor<2>, w: &Tensor<2>, residual: Option<Tensor<2>>) -> Tensor
     } else {
         gemm::Parallelism::None
     };
-    assert!(xs.len() >= (m - 1) * x_row + k && ws.len() >= (k - 1) * w_row + n);
+    assert!(
+        xs.len() > (m - 1) * x_rs + (k - 1) * x_cs && ws.len() > (k - 1) * w_rs + (n - 1) * w_cs,
+        "GEMM operand extents"
+    );
     // SAFETY: the operands' extents are checked just above; `out` has room for m·n elements and
     // the GEMM writes every one of them (reading them first only when they hold the residual).
     unsafe {
@@ -298,11 +330,11 @@ fn gemm_into(x: Tensor<2>, w: &Tensor<2>, residual: Option<Tensor<2>>) -> Tensor
             n as isize,
             accumulate,
             xs.as_ptr(),
-            1,
-            x_row as isize,
+            x_cs as isize,
+            x_rs as isize,
             ws.as_ptr(),
-            1,
-            w_row as isize,
+            w_cs as isize,
+            w_rs as isize,
             1.0,
             1.0,
             false,
