@@ -13,6 +13,8 @@ use rayon::prelude::*;
 
 /// Elements below which a kernel stays on the calling thread (rayon's hand-off costs more).
 const PARALLEL_MIN: usize = 1 << 15;
+/// Q·Kᵀ multiply-adds below which attention stays on the calling thread (a decode step's).
+const ATTENTION_PARALLEL_MIN: usize = 1 << 18;
 /// Query rows per attention task: enough rows for an efficient GEMM, enough tasks to balance.
 const QUERY_BLOCK: usize = 64;
 
@@ -26,15 +28,27 @@ pub fn enabled(device: &Device, dtype: FloatDType) -> bool {
     !off && matches!(device.as_dispatch(), DispatchDevice::Flex(_)) && dtype == FloatDType::F32
 }
 
-fn flex<const D: usize>(t: Tensor<D>) -> FlexTensor {
+/// The flex tensor behind `t`, copied to a contiguous layout unless `usable` accepts its own.
+fn flex_with<const D: usize>(t: Tensor<D>, usable: impl Fn(&Layout) -> bool) -> FlexTensor {
     let t = t
         .try_into_primitive::<Flex>()
         .expect("cpu kernels are called only on flex tensors (see `enabled`)");
-    if t.layout().has_contiguous_inner() {
+    if usable(t.layout()) {
         t
     } else {
         t.to_contiguous()
     }
+}
+
+/// The flex tensor behind `t` with unit inner stride, as the row kernels read it.
+fn flex<const D: usize>(t: Tensor<D>) -> FlexTensor {
+    flex_with(t, Layout::has_contiguous_inner)
+}
+
+/// A GEMM operand: any layout with non-negative strides as it is (a transposed view such as a
+/// tied output head needs no copy), anything else made contiguous.
+fn gemm_operand(t: Tensor<2>) -> FlexTensor {
+    flex_with(t, |l| l.strides().iter().all(|&s| s >= 0))
 }
 
 fn wrap<const D: usize>(data: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
@@ -42,29 +56,7 @@ fn wrap<const D: usize>(data: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
     Tensor::from_primitive::<Flex>(FlexTensor::new(Bytes::from_elems(data), layout, DType::F32))
 }
 
-/// A 2-D f32 view: the storage from the first element on, and the row stride.
-fn rows2(t: &FlexTensor) -> (&[f32], usize) {
-    let l = t.layout();
-    (
-        &t.storage::<f32>()[l.start_offset()..],
-        l.strides()[0] as usize,
-    )
-}
-
-/// A GEMM operand: any layout with non-negative strides as it is (a transposed view such as a
-/// tied output head needs no copy), anything else made contiguous.
-fn gemm_operand(t: Tensor<2>) -> FlexTensor {
-    let t = t
-        .try_into_primitive::<Flex>()
-        .expect("cpu kernels are called only on flex tensors (see `enabled`)");
-    if t.layout().strides().iter().all(|&s| s >= 0) {
-        t
-    } else {
-        t.to_contiguous()
-    }
-}
-
-/// A 2-D f32 view with any non-negative strides: storage from the first element, row and column
+/// A 2-D f32 view with non-negative strides: storage from the first element, row and column
 /// strides.
 fn strided2(t: &FlexTensor) -> (&[f32], usize, usize) {
     let l = t.layout();
@@ -74,6 +66,13 @@ fn strided2(t: &FlexTensor) -> (&[f32], usize, usize) {
         s[0] as usize,
         s[1] as usize,
     )
+}
+
+/// A 2-D f32 view with unit inner stride (see [`flex`]): storage from the first element, row
+/// stride.
+fn rows2(t: &FlexTensor) -> (&[f32], usize) {
+    let (s, row, _) = strided2(t);
+    (s, row)
 }
 
 /// A 4-D `[1, heads, rows, hd]` f32 view: storage from the first element, head and row strides.
@@ -293,7 +292,10 @@ fn gemm_into(x: Tensor<2>, w: &Tensor<2>, residual: Option<Tensor<2>>) -> Tensor
     assert_eq!(k, k2, "matmul inner dimensions");
     if m * n * k == 0 {
         let p = x.matmul(w.clone());
-        return residual.map_or(p.clone(), |r| r + p);
+        return match residual {
+            Some(r) => r + p,
+            None => p,
+        };
     }
     let (x, w) = (gemm_operand(x), gemm_operand(w.clone()));
     let (xs, x_rs, x_cs) = strided2(&x);
@@ -563,7 +565,7 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<2> {
         }
     };
     let jobs = heads * blocks;
-    if heads * n * t * hd < PARALLEL_MIN * 8 {
+    if heads * n * t * hd < ATTENTION_PARALLEL_MIN {
         let mut scores = Vec::new();
         (0..jobs).for_each(|j| task(&mut scores, j));
     } else {
