@@ -29,6 +29,15 @@ struct Row {
     args: Vec<String>,
     code: i32,
     needles: Vec<&'static str>,
+    /// Environment variables set for this row's command only.
+    env: Vec<(&'static str, &'static str)>,
+}
+
+impl Row {
+    fn with_env(mut self, key: &'static str, value: &'static str) -> Self {
+        self.env.push((key, value));
+        self
+    }
 }
 
 fn row(what: &'static str, args: &[&str], code: i32, needles: &[&'static str]) -> Row {
@@ -37,14 +46,20 @@ fn row(what: &'static str, args: &[&str], code: i32, needles: &[&'static str]) -
         args: args.iter().map(|s| s.to_string()).collect(),
         code,
         needles: needles.to_vec(),
+        env: Vec::new(),
     }
 }
 
 /// Runs the CLI in `dir`, so that paths in arguments and messages are short relative names.
 fn ridgefill(dir: &Path, args: &[String]) -> Output {
+    ridgefill_env(dir, args, &[])
+}
+
+fn ridgefill_env(dir: &Path, args: &[String], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ridgefill"))
         .current_dir(dir)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .output()
         .expect("run ridgefill")
@@ -331,6 +346,7 @@ fn rows() -> Vec<Row> {
         args,
         code,
         needles: needles.to_vec(),
+        env: Vec::new(),
     };
     vec![
         // Flags.
@@ -831,6 +847,14 @@ fn rows() -> Vec<Row> {
             ERR,
             &["--ctx 2 is too short"],
         ),
+        // Environment.
+        r(
+            "unknown RIDGEFILL_CPU_KERNELS value",
+            gen_(&["-p", "hi"]),
+            ERR,
+            &["RIDGEFILL_CPU_KERNELS=\"maybe\"", "expected on or off"],
+        )
+        .with_env("RIDGEFILL_CPU_KERNELS", "maybe"),
     ]
 }
 
@@ -848,7 +872,7 @@ fn every_bad_input_gives_its_exit_status_and_message() {
             .map(|part| {
                 s.spawn(move || {
                     part.iter()
-                        .map(|(i, r)| (*i, ridgefill(d, &r.args)))
+                        .map(|(i, r)| (*i, ridgefill_env(d, &r.args, &r.env)))
                         .collect::<Vec<_>>()
                 })
             })

@@ -10,6 +10,9 @@ use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{DispatchDevice, Flex};
 use burn::tensor::{Bytes, DType, Device, FloatDType, Shape, Tensor};
 use rayon::prelude::*;
+use std::env::VarError;
+
+use crate::error::{ModelError, Result};
 
 /// Elements below which a kernel stays on the calling thread (rayon's hand-off costs more).
 const PARALLEL_MIN: usize = 1 << 15;
@@ -18,14 +21,27 @@ const ATTENTION_PARALLEL_MIN: usize = 1 << 18;
 /// Query rows per attention task: enough rows for an efficient GEMM, enough tasks to balance.
 const QUERY_BLOCK: usize = 64;
 
-/// Environment variable that turns the fused kernels off (`0` or `off`), to measure them against
-/// the plain burn ops side by side.
+/// Environment variable that switches the fused kernels `off` (or `0`), to measure them against
+/// the plain burn ops side by side; `on` (or `1`, or unset) leaves them where they apply.
 pub const SWITCH: &str = "RIDGEFILL_CPU_KERNELS";
 
-/// Whether the fused kernels apply: flex device, f32 activations and not switched off.
-pub fn enabled(device: &Device, dtype: FloatDType) -> bool {
-    let off = std::env::var(SWITCH).is_ok_and(|v| matches!(v.as_str(), "0" | "off"));
-    !off && matches!(device.as_dispatch(), DispatchDevice::Flex(_)) && dtype == FloatDType::F32
+/// Whether the fused kernels apply: flex device, f32 activations and not switched off. A switch
+/// value other than on/off is an error, not a silent default.
+pub fn enabled(device: &Device, dtype: FloatDType) -> Result<bool> {
+    let on = match std::env::var(SWITCH) {
+        Err(VarError::NotPresent) => true,
+        Ok(v) if matches!(v.as_str(), "on" | "1") => true,
+        Ok(v) if matches!(v.as_str(), "off" | "0") => false,
+        Ok(v) => return Err(bad_switch(&v)),
+        Err(VarError::NotUnicode(v)) => return Err(bad_switch(&v.to_string_lossy())),
+    };
+    Ok(on && matches!(device.as_dispatch(), DispatchDevice::Flex(_)) && dtype == FloatDType::F32)
+}
+
+fn bad_switch(value: &str) -> ModelError {
+    ModelError::Invalid(format!(
+        "environment variable {SWITCH}={value:?}: expected on or off (1 or 0)"
+    ))
 }
 
 /// The flex tensor behind `t`, copied to a contiguous layout unless `usable` accepts its own.

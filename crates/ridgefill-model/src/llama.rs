@@ -158,20 +158,22 @@ fn transposed(data: &[f32], rows: usize, cols: usize, device: &Device) -> Tensor
     Tensor::from_data(TensorData::new(t, [cols, rows]), device)
 }
 
-/// Whether the fused flex kernels can run on `device` at `dtype`.
-pub fn cpu_kernels_apply(device: &Device, dtype: FloatDType) -> bool {
+/// Whether the fused flex kernels can run on `device` at `dtype` (an error for a bad switch).
+pub fn cpu_kernels_apply(device: &Device, dtype: FloatDType) -> Result<bool> {
     #[cfg(feature = "flex")]
     return crate::cpu::enabled(device, dtype);
     #[cfg(not(feature = "flex"))]
     {
         let _ = (device, dtype);
-        false
+        Ok(false)
     }
 }
 
 impl Llama {
     /// Loads every weight of `ckpt` onto `device`, checking names, sizes and finiteness.
     pub fn load(ckpt: &Checkpoint, device: &Device, opts: &LoadOptions) -> Result<Self> {
+        // Checked first: a bad switch should not cost a whole load.
+        let cpu_kernels = cpu_kernels_apply(device, opts.dtype)?;
         let cfg = ckpt.config.clone();
         if !SUPPORTED_MODEL_TYPES.contains(&cfg.model_type.as_str()) {
             return Err(ModelError::UnsupportedArchitecture {
@@ -241,7 +243,7 @@ impl Llama {
             rope,
             device: device.clone(),
             dtype: opts.dtype,
-            cpu_kernels: cpu_kernels_apply(device, opts.dtype),
+            cpu_kernels,
         })
     }
 

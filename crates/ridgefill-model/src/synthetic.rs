@@ -96,6 +96,7 @@ impl Llama {
         max_positions: usize,
         seed: u64,
     ) -> Result<Self> {
+        let cpu_kernels = crate::llama::cpu_kernels_apply(device, dtype)?;
         let d = config.hidden_size;
         let (q_dim, kv_dim, ff) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
         let mut g = Gen {
@@ -135,7 +136,7 @@ impl Llama {
             rope,
             device: device.clone(),
             dtype,
-            cpu_kernels: crate::llama::cpu_kernels_apply(device, dtype),
+            cpu_kernels,
         })
     }
 }
