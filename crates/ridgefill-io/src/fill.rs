@@ -14,8 +14,14 @@ pub(crate) mod container;
 
 use container::{OutData, OutTensor, Reader};
 
-/// The fill-file layout version this code reads and writes.
-pub const FILL_FORMAT_VERSION: u32 = 1;
+/// The fill-file layout version this code writes.
+pub const FILL_FORMAT_VERSION: u32 = 2;
+/// Versions this code reads: 1 has no `method`, `split_search` or `fill.precision`.
+pub const FILL_FORMAT_VERSIONS_READ: &[u32] = &[1, 2];
+/// Name of the optional `[d + 1, d + 1]` tensor `(XᵀX + λ·D)⁻¹` the per-prompt update needs.
+pub const PRECISION_TENSOR: &str = "fill.precision";
+/// Method names a fill file may record (see [`FillMethodMeta`]).
+pub const METHOD_NAMES: &[&str] = &["ridge", "spans", "spans-adapt"];
 /// Features the maps read: `[h / sqrt(mean(h²) + eps), 1]` (RMSNorm without its weight, plus a bias).
 pub const FEATURE_KIND: &str = "rmsnorm_unweighted+bias";
 /// Key in the safetensors `__metadata__` map holding the JSON metadata.
@@ -169,6 +175,44 @@ pub struct AlphaTrial {
     pub kl: f64,
 }
 
+/// How the engine applies the maps by default; recorded by `fit`, overridable at run time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FillMethodMeta {
+    /// One of [`METHOD_NAMES`]: plain ridge fill; plus query-chosen exact spans; plus the
+    /// per-prompt map update from the exact rows.
+    pub name: String,
+    /// Share of the prompt's rows, beyond sink and tail, run exactly through the upper layers.
+    pub exact: f64,
+    /// Half-width in tokens of each exact span around a chosen position.
+    pub span_radius: usize,
+    /// Weight of one exact row against one calibration row in the per-prompt update.
+    pub adapt_weight: f64,
+}
+
+impl Default for FillMethodMeta {
+    /// What a version-1 file means: plain ridge.
+    fn default() -> Self {
+        Self {
+            name: "ridge".into(),
+            exact: 0.0,
+            span_radius: 0,
+            adapt_weight: 0.0,
+        }
+    }
+}
+
+/// One candidate of `fit --split auto`, measured on held-out text with the recorded method.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SplitTrial {
+    pub split: usize,
+    /// Mean held-out KL(full ‖ method), nats per token.
+    pub kl: f64,
+    /// Held-out top-1 agreement with full prefill.
+    pub top1: f64,
+    /// Prefill FLOPs against full prefill at the held-out prefix length.
+    pub flops_ratio: f64,
+}
+
 /// The JSON stored under `__metadata__["ridgefill"]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FillMeta {
@@ -195,6 +239,12 @@ pub struct FillMeta {
     pub alpha_grid: Vec<AlphaTrial>,
     /// Program and version that wrote the file.
     pub created_by: String,
+    /// The method and budget the maps were made for (format 2; version 1 files mean ridge).
+    #[serde(default)]
+    pub method: FillMethodMeta,
+    /// Every candidate `fit --split auto` measured (empty for a fixed split).
+    #[serde(default)]
+    pub split_search: Vec<SplitTrial>,
 }
 
 impl FillMeta {
@@ -213,6 +263,13 @@ impl FillMeta {
             fields.push((format!("alpha_grid[{i}].alpha"), t.alpha));
             fields.push((format!("alpha_grid[{i}].lambda"), t.lambda));
             fields.push((format!("alpha_grid[{i}].kl"), t.kl));
+        }
+        fields.push(("method.exact".into(), self.method.exact));
+        fields.push(("method.adapt_weight".into(), self.method.adapt_weight));
+        for (i, t) in self.split_search.iter().enumerate() {
+            fields.push((format!("split_search[{i}].kl"), t.kl));
+            fields.push((format!("split_search[{i}].top1"), t.top1));
+            fields.push((format!("split_search[{i}].flops_ratio"), t.flops_ratio));
         }
         fields.into_iter().find(|(_, v)| !v.is_finite())
     }
@@ -233,6 +290,9 @@ pub struct FillFile {
     pub k: Vec<Vec<f32>>,
     /// `v[i]` maps to layer `split + i`'s V: row-major `[hidden + 1, kv_dim]`.
     pub v: Vec<Vec<f32>>,
+    /// `(XᵀX + λ·D)⁻¹`, row-major `[hidden + 1, hidden + 1]`: lets the engine update the maps
+    /// per prompt from its exactly computed rows (method `spans-adapt`).
+    pub precision: Option<Vec<f32>>,
 }
 
 /// Name of the K map tensor of `layer`.
@@ -284,6 +344,40 @@ pub(crate) fn check_common_meta(
     Ok(())
 }
 
+/// Checks the recorded method: a known name, a budget in `0..=1`, and what the method needs.
+fn check_method(path: &Path, m: &FillMethodMeta, has_precision: bool) -> Result<()> {
+    let bad = |field: &str, expected: &str, found: String| IoError::BadMetadata {
+        path: path.to_path_buf(),
+        key: format!("{METADATA_KEY}.method.{field}"),
+        expected: expected.to_string(),
+        found,
+    };
+    if !METHOD_NAMES.contains(&m.name.as_str()) {
+        return Err(bad(
+            "name",
+            &format!("one of {METHOD_NAMES:?}"),
+            format!("{:?}", m.name),
+        ));
+    }
+    if !(0.0..=1.0).contains(&m.exact) {
+        return Err(bad("exact", "a share between 0 and 1", m.exact.to_string()));
+    }
+    if !(m.adapt_weight >= 0.0 && m.adapt_weight.is_finite()) {
+        return Err(bad(
+            "adapt_weight",
+            "a finite number ≥ 0",
+            m.adapt_weight.to_string(),
+        ));
+    }
+    if m.name == "spans-adapt" && !has_precision {
+        return Err(IoError::MissingTensor {
+            path: path.to_path_buf(),
+            tensor: PRECISION_TENSOR.into(),
+        });
+    }
+    Ok(())
+}
+
 impl FillFile {
     /// Reads and fully validates a fill file (F32 or F16 maps come back as f32).
     pub fn read(path: &Path) -> Result<Self> {
@@ -297,7 +391,8 @@ impl FillFile {
 
     fn from_reader(path: &Path, r: Reader) -> Result<Self> {
         let json = r.metadata_json(METADATA_KEY)?;
-        container::check_version(path, METADATA_KEY, &json, FILL_FORMAT_VERSION)?;
+        let version =
+            container::check_versions(path, METADATA_KEY, &json, FILL_FORMAT_VERSIONS_READ)?;
         let meta: FillMeta = container::parse_meta(
             path,
             METADATA_KEY,
@@ -306,10 +401,19 @@ impl FillFile {
         )?;
         check_common_meta(path, &meta.model, meta.split, &meta.feature)?;
         let (split, layers) = (meta.split, meta.model.num_hidden_layers);
-        let expected_names = || format!("fill.{{l}}.k and fill.{{l}}.v for l in {split}..{layers}");
+        let expected_names = || {
+            let extra = if version >= 2 {
+                format!(" (and optionally {PRECISION_TENSOR})")
+            } else {
+                String::new()
+            };
+            format!("fill.{{l}}.k and fill.{{l}}.v for l in {split}..{layers}{extra}")
+        };
         let present = r.tensors();
         for name in present.keys() {
-            if !parse_tensor_name(name).is_some_and(|l| (split..layers).contains(&l)) {
+            let precision = version >= 2 && name == PRECISION_TENSOR;
+            if !precision && !parse_tensor_name(name).is_some_and(|l| (split..layers).contains(&l))
+            {
                 return Err(IoError::UnexpectedTensor {
                     path: path.to_path_buf(),
                     tensor: name.clone(),
@@ -320,6 +424,13 @@ impl FillFile {
         // Every present name is a distinct valid one, so the first missing is found within
         // (tensors in the file)/2 + 1 layers however large num_hidden_layers claims to be.
         let names: BTreeSet<&String> = present.keys().collect();
+        let features = meta.model.hidden_size + 1;
+        let precision = if present.contains_key(PRECISION_TENSOR) {
+            Some(r.f32_values(PRECISION_TENSOR, &[features, features])?)
+        } else {
+            None
+        };
+        check_method(path, &meta.method, precision.is_some())?;
         let shape = [meta.model.hidden_size + 1, meta.model.kv_dim()];
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for layer in split..layers {
@@ -336,7 +447,12 @@ impl FillFile {
                 out.push(r.f32_values(&name, &shape)?);
             }
         }
-        Ok(FillFile { meta, k, v })
+        Ok(FillFile {
+            meta,
+            k,
+            v,
+            precision,
+        })
     }
 
     /// Writes atomically (temporary file in the same directory, fsync, rename), refusing
@@ -352,6 +468,7 @@ impl FillFile {
             });
         }
         check_common_meta(path, &meta.model, meta.split, &meta.feature)?;
+        check_method(path, &meta.method, self.precision.is_some())?;
         if let Some((field, value)) = meta.first_non_finite() {
             // JSON has no NaN or infinity: serde_json would write null, which does not read back.
             return Err(IoError::BadMetadata {
@@ -394,6 +511,24 @@ impl FillFile {
                     },
                 });
             }
+        }
+        let features = meta.model.hidden_size + 1;
+        if let Some(p) = &self.precision {
+            if p.len() != features * features {
+                return Err(IoError::BadTensor {
+                    path: path.to_path_buf(),
+                    tensor: PRECISION_TENSOR.into(),
+                    what: "number of values".into(),
+                    expected: format!("{features}×{features}"),
+                    found: p.len().to_string(),
+                });
+            }
+            // Always f32: the update multiplies by it, and f16 would lose its small entries.
+            tensors.push(OutTensor {
+                name: PRECISION_TENSOR.into(),
+                shape: vec![features, features],
+                data: OutData::F32(p),
+            });
         }
         container::write_atomic(path, METADATA_KEY, json, &tensors)
     }

@@ -268,9 +268,12 @@ fn micro_fill(dir: &Path, dtype: FillDtype) -> Vec<u8> {
                 kl: 0.01,
             }],
             created_by: "seed".into(),
+            method: Default::default(),
+            split_search: Vec::new(),
         },
         k: vec![f32s((m.hidden_size + 1) * m.kv_dim(), 1)],
         v: vec![f32s((m.hidden_size + 1) * m.kv_dim(), 2)],
+        precision: None,
     };
     let path = dir.join("seed.fill");
     file.write(&path, dtype).unwrap();

@@ -464,6 +464,35 @@ pub(crate) fn check_version(path: &Path, key: &str, json: &Value, supported: u32
     Ok(())
 }
 
+/// Checks `format_version` is one of `supported` (before the rest is parsed) and returns it.
+pub(crate) fn check_versions(
+    path: &Path,
+    key: &str,
+    json: &Value,
+    supported: &[u32],
+) -> Result<u32> {
+    let field = format!("{key}.format_version");
+    let v = json
+        .get("format_version")
+        .ok_or_else(|| IoError::MissingMetadata {
+            path: path.to_path_buf(),
+            key: field.clone(),
+        })?;
+    match v.as_u64().and_then(|v| u32::try_from(v).ok()) {
+        Some(found) if supported.contains(&found) => Ok(found),
+        _ => Err(IoError::BadMetadata {
+            path: path.to_path_buf(),
+            key: field,
+            expected: supported
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(" or "),
+            found: v.to_string(),
+        }),
+    }
+}
+
 /// Parses the metadata object into its typed form; serde's message names the bad field.
 pub(crate) fn parse_meta<T: serde::de::DeserializeOwned>(
     path: &Path,
