@@ -263,6 +263,7 @@ fn skip_fill_with_whole_prompt_as_tail_equals_full_prefill() {
     let rows = FillRows {
         sink: 1,
         tail: ids.len(),
+        ..FillRows::default()
     };
     let fill = to_host_f32(
         model
@@ -278,7 +279,11 @@ fn skip_fill_writes_the_maps_predictions_into_the_cache() {
     let model = flex_model(&f.hf);
     let ids = prompt(10, model.config.vocab_size);
     let maps = random_maps(&model, 1, 5);
-    let rows = FillRows { sink: 1, tail: 3 };
+    let rows = FillRows {
+        sink: 1,
+        tail: 3,
+        ..FillRows::default()
+    };
     let mut cache = model.new_cache(10);
     let fill = to_host_f32(model.prefill_fill(&ids, &mut cache, &maps, rows).unwrap());
     assert_eq!(cache.len(), 10);
@@ -327,8 +332,13 @@ fn wgpu_matches_flex_on_tiny_model() {
     let maps_gpu = FillMaps {
         split: 1,
         w: maps.w.clone().to_device(&dev.device),
+        adapt: None,
     };
-    let rows = FillRows { sink: 1, tail: 4 };
+    let rows = FillRows {
+        sink: 1,
+        tail: 4,
+        ..FillRows::default()
+    };
     let a = to_host_f32(
         flex.prefill_fill(&ids, &mut flex.new_cache(13), &maps, rows)
             .unwrap(),
@@ -339,6 +349,25 @@ fn wgpu_matches_flex_on_tiny_model() {
     );
     let d = common::max_abs_diff(&a, &b);
     assert!(d < TOL, "skip-fill flex vs wgpu max |Δ| {d}");
+    // Query-chosen spans and the per-prompt update: masks, gathers and the k×k solve.
+    let eye = stand_in_precision(&flex);
+    let maps = maps
+        .with_adapt(&eye, 100.0, FloatDType::F32, &flex.device)
+        .unwrap();
+    let maps_gpu = maps_gpu
+        .with_adapt(&eye, 100.0, FloatDType::F32, &dev.device)
+        .unwrap();
+    let rows = spans_rows(4, 0.2, 1);
+    let a = to_host_f32(
+        flex.prefill_fill(&ids, &mut flex.new_cache(13), &maps, rows)
+            .unwrap(),
+    );
+    let b = to_host_f32(
+        gpu.prefill_fill(&ids, &mut gpu.new_cache(13), &maps_gpu, rows)
+            .unwrap(),
+    );
+    let d = common::max_abs_diff(&a, &b);
+    assert!(d < TOL, "spans-adapt flex vs wgpu max |Δ| {d}");
 }
 
 /// The fused flex kernels against the plain burn ops on one random model: a prompt long enough
@@ -398,7 +427,11 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
         );
     }
     let maps = random_maps(&fused, 1, 11);
-    let rows = FillRows { sink: 1, tail: 40 };
+    let rows = FillRows {
+        sink: 1,
+        tail: 40,
+        ..FillRows::default()
+    };
     check(
         "skip-and-fill prefill",
         to_host_f32(
@@ -412,4 +445,160 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
                 .unwrap(),
         ),
     );
+    let eye = stand_in_precision(&fused);
+    let maps = maps
+        .with_adapt(&eye, 100.0, FloatDType::F32, &fused.device)
+        .unwrap();
+    let rows = spans_rows(40, 0.1, 4);
+    let (a, spans) = fused
+        .prefill_fill_spans(&ids[..PROMPT], &mut fused.new_cache(PROMPT), &maps, rows)
+        .unwrap();
+    assert!(
+        spans.len() > 1,
+        "several spans were to be chosen: {spans:?}"
+    );
+    check(
+        "spans-adapt prefill",
+        to_host_f32(a),
+        to_host_f32(
+            plain
+                .prefill_fill(&ids[..PROMPT], &mut plain.new_cache(PROMPT), &maps, rows)
+                .unwrap(),
+        ),
+    );
+}
+
+/// A precision matrix of the right shape (`I·1e-2`): the update's work, not a fitted one.
+fn stand_in_precision(model: &Llama) -> Vec<f32> {
+    let f = model.config.hidden_size + 1;
+    (0..f * f)
+        .map(|i| if i % (f + 1) == 0 { 1e-2 } else { 0.0 })
+        .collect()
+}
+
+fn spans_rows(tail: usize, exact: f64, span: usize) -> FillRows {
+    FillRows {
+        sink: 1,
+        tail,
+        exact,
+        span,
+    }
+}
+
+/// A random GQA model of `layers` layers for the span tests.
+fn gqa_model(layers: usize, cpu_kernels: bool) -> Llama {
+    let config: ridgefill::io::config::ModelConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
+        "max_position_embeddings": 1024, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let mut m = Llama::random(config, &Device::flex(), FloatDType::F32, 512, 3).unwrap();
+    m.cpu_kernels = cpu_kernels;
+    m
+}
+
+/// When the chosen span covers every bulk row, the exact pass is full prefill, with or without
+/// the per-prompt update (every filled slot is overwritten), on both CPU code paths; decoding
+/// after it continues identically.
+#[test]
+fn exact_pass_over_every_row_equals_full_prefill() {
+    common::init();
+    const N: usize = 70;
+    for cpu_kernels in [true, false] {
+        let model = gqa_model(4, cpu_kernels);
+        let ids = prompt(N + 1, model.config.vocab_size);
+        let mut full_cache = model.new_cache(N + 1);
+        let full = to_host_f32(model.prefill(&ids[..N], &mut full_cache).unwrap());
+        let full_next = to_host_f32(model.decode_step(ids[N], &mut full_cache).unwrap());
+        let plain = random_maps(&model, 2, 21);
+        let eye = stand_in_precision(&model);
+        let adapted = random_maps(&model, 2, 21)
+            .with_adapt(&eye, 100.0, FloatDType::F32, &model.device)
+            .unwrap();
+        for maps in [&plain, &adapted] {
+            let rows = spans_rows(4, 1.0, N);
+            let mut cache = model.new_cache(N + 1);
+            let (got, spans) = model
+                .prefill_fill_spans(&ids[..N], &mut cache, maps, rows)
+                .unwrap();
+            assert_eq!(spans, vec![1..N - 4]);
+            let d = common::max_abs_diff(&full, &to_host_f32(got));
+            assert!(
+                d < 1e-4,
+                "kernels {cpu_kernels}: exact pass vs full max |Δ| {d}"
+            );
+            let next = to_host_f32(model.decode_step(ids[N], &mut cache).unwrap());
+            let d = common::max_abs_diff(&full_next, &next);
+            assert!(
+                d < 1e-4,
+                "kernels {cpu_kernels}: decode after it max |Δ| {d}"
+            );
+        }
+    }
+}
+
+/// A token whose key the tail's queries match in the last lower layer (built into the weights)
+/// is found wherever it is planted: the one span the budget allows is centred on it.
+#[test]
+fn chosen_spans_contain_a_planted_needle() {
+    common::init();
+    const N: usize = 300;
+    const NEEDLE: u32 = 7;
+    const SPLIT: usize = 2;
+    // Large against the random weights' scale, so the needle dominates the scored layer.
+    const GAIN: f32 = 8.0;
+    let mut model = gqa_model(4, true);
+    let c = model.config.clone();
+    let (d, hd) = (c.hidden_size, c.head_dim());
+    let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+    // Embedding dims 0 and 1: only the needle has dim 0; every token carries dim 1.
+    let mut emb = to_host_f32(model.embed_tokens.clone());
+    for t in 0..c.vocab_size {
+        emb[t * d] = if t as u32 == NEEDLE { GAIN } else { 0.0 };
+        emb[t * d + 1] = GAIN;
+    }
+    model.embed_tokens = ridgefill::model::Tensor::from_data(
+        ridgefill::model::TensorData::new(emb, [c.vocab_size, d]),
+        &model.device,
+    );
+    // Scored layer: q and k live in the slowest-rotating RoPE pair only (q from dim 1, k from
+    // dim 0), so every query's score is large for the needle and zero elsewhere.
+    let scored = SPLIT - 1;
+    let width = q_dim + 2 * kv_dim;
+    let mut w = to_host_f32(model.layers[scored].qkv_proj.clone());
+    let slow = hd / 2 - 1;
+    for r in 0..d {
+        for col in 0..q_dim + kv_dim {
+            let head_col = col % hd;
+            let want = match (col < q_dim, r, head_col == slow) {
+                (true, 1, true) | (false, 0, true) => GAIN,
+                _ => 0.0,
+            };
+            w[r * width + col] = want;
+        }
+    }
+    model.layers[scored].qkv_proj = ridgefill::model::Tensor::from_data(
+        ridgefill::model::TensorData::new(w, [d, width]),
+        &model.device,
+    );
+    let maps = random_maps(&model, SPLIT, 5);
+    for at in [40, 150, 260] {
+        let mut ids: Vec<u32> = prompt(N, c.vocab_size)
+            .into_iter()
+            .map(|t| if t == NEEDLE { NEEDLE + 1 } else { t })
+            .collect();
+        ids[at] = NEEDLE;
+        let rows = spans_rows(8, 0.02, 4);
+        let (_, spans) = model
+            .prefill_fill_spans(&ids, &mut model.new_cache(N), &maps, rows)
+            .unwrap();
+        assert!(
+            spans.iter().any(|s| s.start <= at - 4 && at + 5 <= s.end),
+            "needle at {at}: no span covers it ±4 in {spans:?}"
+        );
+        let covered: usize = spans.iter().map(|s| s.len()).sum();
+        assert!(covered <= rows.exact_rows(N), "{spans:?}");
+    }
 }

@@ -84,6 +84,16 @@ impl KvCache {
         self.lens[layer] = at + m;
     }
 
+    /// Overwrites `layer`'s filled slots `at..at+m` with `k`, `v` (`[1, kv_heads, m, head_dim]`).
+    pub fn overwrite(&mut self, layer: usize, at: usize, k: Tensor<4>, v: Tensor<4>) {
+        let m = k.dims()[2];
+        debug_assert!(at + m <= self.lens[layer]);
+        let kc = std::mem::replace(&mut self.k[layer], k.clone());
+        self.k[layer] = kc.slice_assign(s![.., .., at..at + m, ..], k);
+        let vc = std::mem::replace(&mut self.v[layer], v.clone());
+        self.v[layer] = vc.slice_assign(s![.., .., at..at + m, ..], v);
+    }
+
     /// K and V of `layer`'s filled slots.
     pub fn read(&self, layer: usize) -> (Tensor<4>, Tensor<4>) {
         let end = self.lens[layer];

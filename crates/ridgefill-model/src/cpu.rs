@@ -222,12 +222,14 @@ simd_fn! {
         cos: &[f32],
         sin: &[f32],
         pos: usize,
+        at: &[usize],
     ) {
         let half = hd / 2;
         for (i, o) in out.chunks_exact_mut(hd).enumerate() {
             let x = &xs[i * stride + col..][..hd];
-            let c = &cos[(pos + i) * hd..][..hd];
-            let s = &sin[(pos + i) * hd..][..hd];
+            let p = if at.is_empty() { pos + i } else { at[i] };
+            let c = &cos[p * hd..][..hd];
+            let s = &sin[p * hd..][..hd];
             let (o1, o2) = o.split_at_mut(half);
             let (x1, x2) = x.split_at(half);
             let ((c1, c2), (s1, s2)) = (c.split_at(half), s.split_at(half));
@@ -242,11 +244,11 @@ simd_fn! {
 }
 
 simd_fn! {
-    /// Causal softmax over score rows of width `kv_end`; row `i` sees its first `seen0 + i` keys
+    /// Masked softmax over score rows of width `kv_end`; row `i` sees its first `live[i]` keys
     /// and the rest are zeroed.
-    fn softmax_rows(scores: &mut [f32], kv_end: usize, seen0: usize) {
-        for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
-            let (live, masked) = row.split_at_mut(seen0 + i);
+    fn softmax_rows(scores: &mut [f32], kv_end: usize, live: &[usize]) {
+        for (row, &seen) in scores.chunks_exact_mut(kv_end).zip(live) {
+            let (live, masked) = row.split_at_mut(seen);
             let max = max_of(live);
             let inv = 1.0 / exp_shifted_sum(live, max);
             live.iter_mut().for_each(|s| *s *= inv);
@@ -420,12 +422,14 @@ pub fn swiglu(gate_up: Tensor<2>) -> Tensor<2> {
     wrap(out, [n, ff])
 }
 
-/// Rotate-half RoPE at positions `pos..`: host `[positions, hd]` cos and sin tables.
+/// Rotate-half RoPE at positions `pos..` (or at `at[i]` for row `i` when `at` is not empty):
+/// host `[positions, hd]` cos and sin tables.
 #[derive(Clone, Copy)]
 pub struct Rotation<'a> {
     pub cos: &'a [f32],
     pub sin: &'a [f32],
     pub pos: usize,
+    pub at: &'a [usize],
 }
 
 /// Gathers `count` heads of `hd` columns out of `x` (output head `j` is input head `src(j)`),
@@ -447,7 +451,7 @@ fn gather_heads(
         for (i, head) in chunk.chunks_exact_mut(n * hd).enumerate() {
             let col = src(h0 + i) * hd;
             match rope {
-                Some(r) => rope_head(xs, stride, col, head, hd, r.cos, r.sin, r.pos),
+                Some(r) => rope_head(xs, stride, col, head, hd, r.cos, r.sin, r.pos, r.at),
                 None => head
                     .chunks_exact_mut(hd)
                     .enumerate()
@@ -504,12 +508,14 @@ pub fn fill_kv(
     (wrap(k, shape), wrap(v, shape))
 }
 
-/// Causal grouped-query attention of the last `n` of `t` positions, heads merged on output.
-/// Each task takes one head and a block of query rows and multiplies only the keys its rows see.
+/// Causal grouped-query attention, heads merged on output: query row `i` sees the first
+/// `seen[i]` keys (non-decreasing), or with `seen` empty the rows are the last `n` of `t`
+/// positions. Each task takes one head and a block of query rows and multiplies only the keys
+/// its rows see.
 ///
 /// # Shapes
 /// - q: `[1, heads, n, hd]`, k/v: `[1, kv_heads, t, hd]` (t ≥ n) → `[n, heads·hd]`
-pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<2> {
+pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Tensor<2> {
     let [_, heads, n, hd] = q.dims();
     let [_, kv_heads, t, _] = k.dims();
     let group = heads / kv_heads;
@@ -521,13 +527,19 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<2> {
     let width = heads * hd;
     let blocks = n.div_ceil(QUERY_BLOCK);
     let past = t - n;
+    let seen: Vec<usize> = if seen.is_empty() {
+        (0..n).map(|i| past + i + 1).collect()
+    } else {
+        seen.to_vec()
+    };
     let mut out = vec![0f32; n * width];
     let out_ptr = SendPtr(out.as_mut_ptr());
     let task = |scores: &mut Vec<f32>, job: usize| {
         let (h, b) = (job / blocks, job % blocks);
         let r0 = b * QUERY_BLOCK;
         let rb = QUERY_BLOCK.min(n - r0);
-        let kv_end = past + r0 + rb;
+        let live = &seen[r0..r0 + rb];
+        let kv_end = live[rb - 1];
         scores.resize(rb * kv_end, 0.0);
         let kh = h / group;
         // SAFETY: every pointer addresses rows inside the tensors' storage (shapes checked by the
@@ -555,7 +567,7 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<2> {
                 gemm::Parallelism::None,
             );
         }
-        softmax_rows(scores, kv_end, past + r0 + 1);
+        softmax_rows(scores, kv_end, live);
         unsafe {
             gemm::gemm(
                 rb,
@@ -629,7 +641,8 @@ mod tests {
         let (rows, width, seen0) = (3, 5, 2);
         let mut s: Vec<f32> = (0..rows * width).map(|i| (i % 7) as f32 * 0.5).collect();
         let orig = s.clone();
-        softmax_rows(&mut s, width, seen0);
+        let live: Vec<usize> = (0..rows).map(|r| seen0 + r).collect();
+        softmax_rows(&mut s, width, &live);
         for r in 0..rows {
             let row = &s[r * width..][..width];
             let live = seen0 + r;

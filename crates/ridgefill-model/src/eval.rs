@@ -123,8 +123,20 @@ fn attention_flops(c: &ModelConfig, keys: usize) -> f64 {
     4.0 * keys as f64 * c.q_dim() as f64
 }
 
-/// Prefill FLOPs of `n` tokens; `skip` = (split, rows, filled) for the skip methods.
-pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<(usize, FillRows, bool)>) -> f64 {
+/// A skip method, as far as its cost goes.
+#[derive(Clone, Copy, Debug)]
+pub struct Skip {
+    pub split: usize,
+    pub rows: FillRows,
+    /// Bulk K/V predicted by maps (`fill`), or left out of the upper layers (`drop`).
+    pub filled: bool,
+    /// Maps updated per prompt from the exact rows.
+    pub adapt: bool,
+}
+
+/// Prefill FLOPs of `n` tokens, by full prefill or a skip method. Chosen spans are counted at
+/// their full budget, attending on average to half the prompt.
+pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<Skip>) -> f64 {
     let layers = c.num_hidden_layers;
     let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
     let full_rows = |count_layers: usize| -> f64 {
@@ -133,31 +145,48 @@ pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<(usize, FillRows, b
             .sum::<f64>()
             * count_layers as f64
     };
-    let Some((split, rows, filled)) = skip else {
+    let Some(skip) = skip else {
         return full_rows(layers) + head;
     };
-    let sink = rows.sink.min(n);
-    if sink + rows.tail >= n {
+    let Some(bulk) = skip.rows.bulk(n) else {
         return full_rows(layers) + head;
-    }
-    let tail0 = n - rows.tail;
-    let upper = (layers - split) as f64;
+    };
+    let (sink, tail0) = (bulk.start, bulk.end);
+    let upper = (layers - skip.split) as f64;
+    let row = |keys: usize| token_layer_flops(c) + attention_flops(c, keys);
     let mut upper_rows = 0.0;
     for i in (0..sink).chain(tail0..n) {
-        let keys = if filled || i < sink {
+        let keys = if skip.filled || i < sink {
             i + 1
         } else {
             sink + (i - tail0) + 1
         };
-        upper_rows += token_layer_flops(c) + attention_flops(c, keys);
+        upper_rows += row(keys);
     }
-    let fill = if filled {
-        let bulk = (tail0 - sink) as f64;
-        bulk * 2.0 * (c.hidden_size as f64 + 1.0) * upper * 2.0 * c.kv_dim() as f64
+    if !skip.filled {
+        return full_rows(skip.split) + upper_rows * upper + head;
+    }
+    let spans = skip.rows.exact_rows(n);
+    upper_rows += spans as f64 * row(sink + bulk.len() / 2 + 1);
+    let (f, kv2) = (c.hidden_size as f64 + 1.0, 2.0 * c.kv_dim() as f64);
+    // Every row's features through each upper layer's maps (exact rows' slots are overwritten).
+    let fill = n as f64 * 2.0 * f * upper * kv2;
+    let (d, q) = (c.hidden_size as f64, c.q_dim() as f64);
+    let scoring = if skip.rows.span_count(n) > 0 {
+        let t = (n - tail0) as f64;
+        t * (2.0 * d * q + 2.0 * n as f64 * q)
     } else {
         0.0
     };
-    full_rows(split) + upper_rows * upper + fill + head
+    let adapt = if skip.adapt {
+        let k = (n - tail0 + spans) as f64;
+        let once = 2.0 * f * f * k + 2.0 * k * f * k + k * k * k / 3.0;
+        let per_layer = 2.0 * k * f * kv2 + 2.0 * k * k * kv2 + 2.0 * f * k * kv2 + f * kv2;
+        once + per_layer * upper
+    } else {
+        0.0
+    };
+    full_rows(skip.split) + upper_rows * upper + fill + scoring + adapt + head
 }
 
 /// FLOPs of one decode step with `ctx` positions already cached.

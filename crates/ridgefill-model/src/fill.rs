@@ -1,11 +1,13 @@
 //! Skip-and-fill prefill: the bulk of the prompt runs layers `0..split` only, and the upper
 //! layers' K/V for those rows are predicted by linear maps from the hidden state entering `split`.
 
-use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use std::ops::Range;
+
+use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData, activation};
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
-use crate::llama::Llama;
+use crate::llama::{At, Llama};
 
 /// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM.
 pub struct FillMaps {
@@ -13,21 +15,228 @@ pub struct FillMaps {
     pub split: usize,
     /// `[hidden + 1, (layers - split) · 2 · kv_dim]`: per layer, K columns then V columns.
     pub w: Tensor<2>,
+    /// The per-prompt update of the maps from the exactly computed rows, when the fill file
+    /// carries what it needs.
+    pub adapt: Option<Adapt>,
 }
 
+/// What the per-prompt ridge update needs: the calibration precision and the exact rows' weight.
+///
+/// With calibration Gram `G = XᵀX + λD` and this prompt's exact rows `(Xe, Ye)` weighted `weight`
+/// each, the maps that minimise both losses are `W' = W + P·(I/weight + Xe·P)⁻¹·(Ye − Xe·W)`
+/// with `P = G⁻¹·Xeᵀ` (Woodbury): a rank-`k` correction computed layer by layer as the exact
+/// rows' true K/V become known.
+#[derive(Clone)]
+pub struct Adapt {
+    /// `G⁻¹`, `[hidden + 1, hidden + 1]`.
+    pub precision: Tensor<2>,
+    /// Weight of one exact row against one calibration row.
+    pub weight: f64,
+}
+
+/// Default share of the prompt's rows run exactly in chosen spans (the shipped method's budget).
+pub const DEFAULT_EXACT: f64 = 0.05;
+/// Default weight of one exact row against one calibration row in the per-prompt update.
+pub const DEFAULT_ADAPT_WEIGHT: f64 = 100.0;
+
+/// How a fill file's maps are applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FillMethod {
+    /// Every bulk row filled by the fitted maps.
+    Ridge,
+    /// Plus spans chosen by the tail's attention run exactly through the upper layers.
+    Spans,
+    /// Plus each upper layer's maps updated per prompt from the exact rows' true K/V.
+    SpansAdapt,
+}
+
+impl FillMethod {
+    /// The method `fit` records by default.
+    pub const DEFAULT: FillMethod = FillMethod::SpansAdapt;
+    pub const ALL: [FillMethod; 3] = [Self::Ridge, Self::Spans, Self::SpansAdapt];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ridge => "ridge",
+            Self::Spans => "spans",
+            Self::SpansAdapt => "spans-adapt",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    /// Maps and rows for this method: `maps` as loaded (with its update when the file has one),
+    /// `rows` with the span budget to use; ridge drops both.
+    pub fn configure(self, maps: &FillMaps, rows: FillRows) -> Result<(FillMaps, FillRows)> {
+        match self {
+            Self::Ridge => Ok((maps.plain(), FillRows { exact: 0.0, ..rows })),
+            Self::Spans => Ok((maps.plain(), rows)),
+            Self::SpansAdapt => {
+                if maps.adapt.is_none() {
+                    return Err(ModelError::Invalid(
+                        "method spans-adapt needs a fill file with a precision matrix \
+                         (fill.precision, written by `ridgefill fit` since format 2): fit again \
+                         or choose --method spans"
+                            .into(),
+                    ));
+                }
+                Ok((
+                    FillMaps {
+                        split: maps.split,
+                        w: maps.w.clone(),
+                        adapt: maps.adapt.clone(),
+                    },
+                    rows,
+                ))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for FillMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Fewest spans chosen: the tail's attention also points at the prompt's own question (asked
+/// before a document) and at several facts, and on a short prompt a few spans cost little.
+pub const MIN_SPANS: usize = 5;
+
+/// Default half-width of an exact span: a needle sentence is ~16 tokens, centred on the top row.
+pub const DEFAULT_SPAN_RADIUS: usize = 8;
+
 /// Which rows of the prompt run every layer exactly.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FillRows {
     /// First tokens (attention sinks) computed exactly.
     pub sink: usize,
     /// Last tokens computed exactly; the first generated token comes from the last of them.
     pub tail: usize,
+    /// Share of the prompt's rows, beyond sink and tail, run exactly in spans chosen by the
+    /// tail's attention in the last lower layer (0 = plain fill).
+    pub exact: f64,
+    /// Half-width of each exact span around a chosen row.
+    pub span: usize,
 }
 
 impl Default for FillRows {
+    /// Plain fill: sink 1, tail 16, no chosen spans.
     fn default() -> Self {
-        Self { sink: 1, tail: 16 }
+        Self {
+            sink: 1,
+            tail: 16,
+            exact: 0.0,
+            span: DEFAULT_SPAN_RADIUS,
+        }
     }
+}
+
+impl FillRows {
+    /// The bulk rows of an `n`-row prompt (neither sink nor tail), or `None` when every row runs
+    /// exactly.
+    pub fn bulk(&self, n: usize) -> Option<Range<usize>> {
+        let sink = self.sink.min(n);
+        (sink + self.tail < n).then(|| sink..n - self.tail)
+    }
+
+    /// Spans chosen in an `n`-row prompt: `exact · n` rows in spans of `2·span + 1`, and at least
+    /// [`MIN_SPANS`] whenever the budget is positive.
+    pub fn span_count(&self, n: usize) -> usize {
+        if self.exact <= 0.0 {
+            return 0;
+        }
+        let width = 2 * self.span + 1;
+        ((self.exact * n as f64) / width as f64)
+            .round()
+            .max(MIN_SPANS as f64) as usize
+    }
+
+    /// The most bulk rows the chosen spans can cover in an `n`-row prompt (fewer when they
+    /// overlap).
+    pub fn exact_rows(&self, n: usize) -> usize {
+        let bulk = self.bulk(n).map_or(0, |b| b.len());
+        (self.span_count(n) * (2 * self.span + 1)).min(bulk)
+    }
+}
+
+/// Spans of `2·radius + 1` rows inside `bulk` around the `count` best-scoring rows, best first,
+/// a row inside an already chosen span never starting another; returned sorted and merged.
+pub fn choose_spans(
+    scores: &[f32],
+    bulk: Range<usize>,
+    count: usize,
+    radius: usize,
+) -> Vec<Range<usize>> {
+    let mut order: Vec<usize> = bulk.clone().collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    let mut spans: Vec<Range<usize>> = Vec::with_capacity(count);
+    for p in order {
+        if spans.len() == count {
+            break;
+        }
+        if spans.iter().any(|s| s.contains(&p)) {
+            continue;
+        }
+        spans.push(p.saturating_sub(radius).max(bulk.start)..(p + radius + 1).min(bulk.end));
+    }
+    merge(spans)
+}
+
+/// Sorts ranges and merges those that overlap or touch.
+fn merge(mut spans: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    spans.sort_by_key(|s| s.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(spans.len());
+    for s in spans {
+        match out.last_mut() {
+            Some(last) if s.start <= last.end => last.end = last.end.max(s.end),
+            _ => out.push(s),
+        }
+    }
+    out
+}
+
+/// Inverse of a symmetric positive definite `k × k` matrix (row-major) by Cholesky, in f64.
+///
+/// Hand-written: the engine reads fill files without `faer`, and `k` (the prompt's exact rows)
+/// is a few hundred at most, so an O(k³) loop is microseconds to milliseconds.
+fn spd_inverse(a: &[f64], k: usize) -> Result<Vec<f64>> {
+    // Lower factor L with A = L·Lᵀ.
+    let mut l = vec![0.0f64; k * k];
+    for i in 0..k {
+        for j in 0..=i {
+            let dot: f64 = (0..j).map(|c| l[i * k + c] * l[j * k + c]).sum();
+            let v = a[i * k + j] - dot;
+            if i == j {
+                if v.is_nan() || v <= 0.0 {
+                    return Err(ModelError::Invalid(format!(
+                        "per-prompt fill update: the exact rows' system is not positive definite \
+                         (pivot {i} is {v})"
+                    )));
+                }
+                l[i * k + i] = v.sqrt();
+            } else {
+                l[i * k + j] = v / l[j * k + j];
+            }
+        }
+    }
+    // Solve L·Lᵀ·X = I one column at a time.
+    let mut inv = vec![0.0f64; k * k];
+    let mut y = vec![0.0f64; k];
+    for c in 0..k {
+        for i in 0..k {
+            let rhs = if i == c { 1.0 } else { 0.0 };
+            let dot: f64 = (0..i).map(|j| l[i * k + j] * y[j]).sum();
+            y[i] = (rhs - dot) / l[i * k + i];
+        }
+        for i in (0..k).rev() {
+            let dot: f64 = (i + 1..k).map(|j| l[j * k + i] * inv[j * k + c]).sum();
+            inv[i * k + c] = (y[i] - dot) / l[i * k + i];
+        }
+    }
+    Ok(inv)
 }
 
 impl FillMaps {
@@ -72,7 +281,40 @@ impl FillMaps {
         Ok(Self {
             split,
             w: Tensor::<2>::from_data(TensorData::new(w, [rows, cols]), device).cast(dtype),
+            adapt: None,
         })
+    }
+
+    /// Adds the per-prompt update from a host `[hidden + 1, hidden + 1]` precision matrix.
+    pub fn with_adapt(
+        mut self,
+        precision: &[f32],
+        weight: f64,
+        dtype: FloatDType,
+        device: &Device,
+    ) -> Result<Self> {
+        let f = self.w.dims()[0];
+        if precision.len() != f * f {
+            return Err(ModelError::Invalid(format!(
+                "fill precision matrix: {} values, expected {f}×{f}",
+                precision.len()
+            )));
+        }
+        let p = TensorData::new(precision.to_vec(), [f, f]);
+        self.adapt = Some(Adapt {
+            precision: Tensor::<2>::from_data(p, device).cast(dtype),
+            weight,
+        });
+        Ok(self)
+    }
+
+    /// The same maps without the per-prompt update (plain ridge); tensors are shared.
+    pub fn plain(&self) -> Self {
+        Self {
+            split: self.split,
+            w: self.w.clone(),
+            adapt: None,
+        }
     }
 }
 
@@ -104,6 +346,7 @@ impl Llama {
         Ok(FillMaps {
             split,
             w: Tensor::cat(cols, 1),
+            adapt: None,
         })
     }
 
@@ -175,7 +418,21 @@ impl Llama {
         maps: &FillMaps,
         rows: FillRows,
     ) -> Result<Tensor<1>> {
-        self.prefill_skip(tokens, cache, maps.split, Some(maps), rows)
+        Ok(self.prefill_fill_spans(tokens, cache, maps, rows)?.0)
+    }
+
+    /// [`Llama::prefill_fill`], also returning the bulk spans that ran exactly.
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[vocab]`
+    pub fn prefill_fill_spans(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        maps: &FillMaps,
+        rows: FillRows,
+    ) -> Result<(Tensor<1>, Vec<Range<usize>>)> {
+        self.prefill_skip_spans(tokens, cache, maps.split, Some(maps), rows)
     }
 
     /// Skips layers `split..L` for the bulk rows; `maps` fills their K/V, or with `None` the upper
@@ -191,6 +448,17 @@ impl Llama {
         maps: Option<&FillMaps>,
         rows: FillRows,
     ) -> Result<Tensor<1>> {
+        Ok(self.prefill_skip_spans(tokens, cache, split, maps, rows)?.0)
+    }
+
+    fn prefill_skip_spans(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        split: usize,
+        maps: Option<&FillMaps>,
+        rows: FillRows,
+    ) -> Result<(Tensor<1>, Vec<Range<usize>>)> {
         if !cache.is_empty() {
             return Err(ModelError::Invalid(
                 "skip-and-fill prefill needs an empty cache".into(),
@@ -200,24 +468,234 @@ impl Llama {
         let n = tokens.len();
         let layers = self.num_layers();
         let h = self.embed(tokens)?;
-        let h = self.forward_layers(h, 0..split, cache, 0)?;
-        let sink = rows.sink.min(n);
-        let h_last = if sink + rows.tail >= n {
-            self.forward_layers(h, split..layers, cache, 0)?
-                .narrow(0, n - 1, 1)
-        } else {
-            let tail0 = n - rows.tail;
-            if sink > 0 {
-                self.forward_layers(h.clone().narrow(0, 0, sink), split..layers, cache, 0)?;
+        let Some(bulk) = rows.bulk(n) else {
+            let h = self.forward_layers(h, 0..layers, cache, 0)?;
+            cache.set_len(n);
+            let logits = self.head(h.narrow(0, n - 1, 1));
+            return Ok((logits.reshape([self.config.vocab_size]), Vec::new()));
+        };
+        let mut chosen = Vec::new();
+        let h_last = match maps {
+            Some(maps) => {
+                // The layer whose attention chooses the spans runs apart, so its input is kept.
+                let scored = split - 1;
+                let h_in = self.forward_layers(h, 0..scored, cache, 0)?;
+                let h_split = self.forward_layers(h_in.clone(), scored..split, cache, 0)?;
+                let spans = if rows.span_count(n) > 0 {
+                    let tail = h_in.narrow(0, bulk.end, n - bulk.end);
+                    let scores = self.tail_scores(scored, tail, cache, bulk.end)?;
+                    choose_spans(&scores, bulk.clone(), rows.span_count(n), rows.span)
+                } else {
+                    Vec::new()
+                };
+                let exact: Vec<usize> = (0..bulk.start)
+                    .chain(spans.iter().cloned().flatten())
+                    .chain(bulk.end..n)
+                    .collect();
+                chosen = spans;
+                self.exact_pass(maps, h_split, &exact, bulk.start, cache)?
             }
-            if let Some(maps) = maps {
-                self.fill_cache(maps, h.clone().narrow(0, sink, tail0 - sink), cache, sink);
+            None => {
+                let h = self.forward_layers(h, 0..split, cache, 0)?;
+                let (sink, tail0) = (bulk.start, bulk.end);
+                if sink > 0 {
+                    self.forward_layers(h.clone().narrow(0, 0, sink), split..layers, cache, 0)?;
+                }
+                let t = self.forward_layers(
+                    h.narrow(0, tail0, n - tail0),
+                    split..layers,
+                    cache,
+                    tail0,
+                )?;
+                t.narrow(0, n - tail0 - 1, 1)
             }
-            let t =
-                self.forward_layers(h.narrow(0, tail0, rows.tail), split..layers, cache, tail0)?;
-            t.narrow(0, rows.tail - 1, 1)
         };
         cache.set_len(n);
-        Ok(self.head(h_last).reshape([self.config.vocab_size]))
+        Ok((self.head(h_last).reshape([self.config.vocab_size]), chosen))
+    }
+
+    /// Attention the `tail` rows (at positions `tail0..`) give every cached position of layer
+    /// `l`, summed over heads and tail rows: the query's own choice of the rows that matter.
+    ///
+    /// # Shapes
+    /// - tail: `[t, hidden]` entering layer `l` → `[tail0 + t]` on the host
+    pub fn tail_scores(
+        &self,
+        l: usize,
+        tail: Tensor<2>,
+        cache: &KvCache,
+        tail0: usize,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.config;
+        let (heads, kvh, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
+        let t = tail.dims()[0];
+        let q = self.qkv(l, tail).narrow(1, 0, heads * hd);
+        let q = self.rope.apply(self.split_heads(q, heads), tail0);
+        let (k, _) = cache.read(l);
+        let keys = k.dims()[2];
+        let group = heads / kvh;
+        let k = k
+            .unsqueeze_dim::<5>(2)
+            .expand([1, kvh, group, keys, hd])
+            .reshape([1, heads, keys, hd]);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let logits = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(scale)
+            .cast(FloatDType::F32);
+        // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i.
+        let bits: Vec<bool> = (0..t)
+            .flat_map(|i| (0..keys).map(move |j| j > tail0 + i))
+            .collect();
+        let mask =
+            Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, t, keys]), &self.device)
+                .expand([1, heads, t, keys]);
+        let p = activation::softmax(logits.mask_fill(mask, f32::NEG_INFINITY), 3);
+        let s = crate::to_host_f32(p.sum_dim(1).sum_dim(2).reshape([keys]));
+        if let Some(i) = s.iter().position(|x| !x.is_finite()) {
+            return Err(ModelError::Invalid(format!(
+                "non-finite attention score at position {i} in layer {l}"
+            )));
+        }
+        Ok(s)
+    }
+
+    /// Runs rows at positions `exact` (increasing: sink, chosen spans, tail) through the upper
+    /// layers in one batch, over a cache whose upper layers hold a filled slot for every
+    /// position; each exact row overwrites its slot and attends to every slot up to its own.
+    /// With `maps.adapt`, each layer's maps are first updated from the exact rows at or after
+    /// `sink` (their true K/V at that layer). Returns the last exact row's hidden state.
+    ///
+    /// # Shapes
+    /// - h_split: `[n, hidden]` entering layer `split` → `[1, hidden]`
+    fn exact_pass(
+        &self,
+        maps: &FillMaps,
+        h_split: Tensor<2>,
+        exact: &[usize],
+        sink: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<2>> {
+        let n = h_split.dims()[0];
+        let layers = self.num_layers();
+        let (kvh, hd) = (self.config.num_key_value_heads, self.config.head_dim());
+        let kv2 = 2 * kvh * hd;
+        let x_all = self.fill_features(h_split.clone());
+        let rows_of = |t: Tensor<2>, pick: &[usize]| {
+            let ids: Vec<i32> = pick.iter().map(|&p| p as i32).collect();
+            t.select(
+                0,
+                Tensor::<1, Int>::from_data(TensorData::new(ids, [pick.len()]), &self.device),
+            )
+        };
+        let mut h = rows_of(h_split, exact);
+        // Exact rows past the sink (the fit never saw sink rows), as indices into `exact`.
+        let first = exact.partition_point(|&p| p < sink);
+        let update = match &maps.adapt {
+            Some(a) if exact.len() > first && a.weight > 0.0 => {
+                Some(self.adapt_factors(a, rows_of(x_all.clone(), &exact[first..]))?)
+            }
+            _ => None,
+        };
+        for l in maps.split..layers {
+            let i = l - maps.split;
+            let qkv = self.qkv(l, h.clone());
+            let mut w = maps.w.clone().narrow(1, i * kv2, kv2);
+            if let Some((xe, p, m)) = &update {
+                let k = exact.len() - first;
+                let truth = qkv
+                    .clone()
+                    .narrow(1, self.config.q_dim(), kv2)
+                    .narrow(0, first, k);
+                let resid = truth - self.linear(xe.clone(), &w);
+                w = w + p.clone().matmul(m.clone().matmul(resid));
+            }
+            let y = self.linear(x_all.clone(), &w);
+            let (k, v) = self.split_fill(y, 1, n, 0);
+            cache.append(l, k, v);
+            let (next, _) = self.block_qkv(l, h, qkv, cache, At::Rows(exact));
+            h = next;
+        }
+        let m = exact.len();
+        Ok(h.narrow(0, m - 1, 1))
+    }
+
+    /// `Xe`, `P = G⁻¹·Xeᵀ` and `(I/weight + Xe·P)⁻¹` for the exact rows' features `xe`.
+    ///
+    /// # Shapes
+    /// - xe: `[k, hidden + 1]` → (`[k, hidden + 1]`, `[hidden + 1, k]`, `[k, k]`)
+    fn adapt_factors(&self, a: &Adapt, xe: Tensor<2>) -> Result<(Tensor<2>, Tensor<2>, Tensor<2>)> {
+        let k = xe.dims()[0];
+        let p = a.precision.clone().matmul(xe.clone().transpose());
+        let xp = crate::to_host_f32(xe.clone().matmul(p.clone()).cast(FloatDType::F32));
+        let mut sys: Vec<f64> = xp.iter().map(|&v| f64::from(v)).collect();
+        // Symmetrise: the device product is symmetric only up to rounding.
+        for r in 0..k {
+            for c in 0..r {
+                let avg = 0.5 * (sys[r * k + c] + sys[c * k + r]);
+                sys[r * k + c] = avg;
+                sys[c * k + r] = avg;
+            }
+            sys[r * k + r] += 1.0 / a.weight;
+        }
+        let inv: Vec<f32> = spd_inverse(&sys, k)?
+            .into_iter()
+            .map(|v| v as f32)
+            .collect();
+        let m = Tensor::<2>::from_data(TensorData::new(inv, [k, k]), &self.device).cast(self.dtype);
+        Ok((xe, p, m))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_centre_on_the_best_rows_and_merge() {
+        let mut scores = vec![0.0f32; 100];
+        scores[50] = 9.0;
+        scores[52] = 8.0; // inside the first span: never a span of its own
+        scores[90] = 7.0;
+        scores[3] = 6.0;
+        let spans = choose_spans(&scores, 1..96, 3, 4);
+        assert_eq!(spans, vec![1..8, 46..55, 86..95]);
+        // Two touching spans merge; a span is clipped to the bulk.
+        let spans = choose_spans(&scores, 1..93, 2, 20);
+        assert_eq!(spans, vec![30..93]);
+    }
+
+    #[test]
+    fn span_budget_counts_rows() {
+        let rows = FillRows {
+            exact: 0.05,
+            ..FillRows::default()
+        };
+        assert_eq!(rows.span_count(2048), 6);
+        assert_eq!(rows.exact_rows(2048), 6 * 17);
+        assert_eq!(rows.span_count(4096), 12);
+        assert_eq!(rows.span_count(512), MIN_SPANS);
+        assert_eq!(rows.exact_rows(40), 40 - 17);
+        assert_eq!(FillRows::default().span_count(2048), 0);
+        assert_eq!(rows.bulk(17), None);
+        assert_eq!(rows.bulk(18), Some(1..2));
+    }
+
+    #[test]
+    fn spd_inverse_inverts() {
+        let a = [4.0, 2.0, 0.6, 2.0, 5.0, 1.0, 0.6, 1.0, 3.0];
+        let inv = spd_inverse(&a, 3).unwrap();
+        for r in 0..3 {
+            for c in 0..3 {
+                let v: f64 = (0..3).map(|j| a[r * 3 + j] * inv[j * 3 + c]).sum();
+                let want = if r == c { 1.0 } else { 0.0 };
+                assert!((v - want).abs() < 1e-12, "({r},{c}) = {v}");
+            }
+        }
+        assert!(spd_inverse(&[1.0, 2.0, 2.0, 1.0], 2).is_err());
     }
 }

@@ -7,13 +7,51 @@ use std::ops::Range;
 
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData, activation};
+use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData, activation};
 use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_io::config::ModelConfig;
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
+
+/// Where a block's rows sit in the sequence.
+#[derive(Clone, Copy, Debug)]
+pub enum At<'a> {
+    /// Consecutive positions from this one on, appended after the layer's cached slots.
+    Next(usize),
+    /// Row `i` at position `at[i]` (increasing); the layer already holds a slot for every
+    /// position up to the last (slot = position), and these rows overwrite theirs.
+    Rows(&'a [usize]),
+}
+
+/// Writes rows' rotated K and V into `layer`'s cache as `at` says; returns how many keys each
+/// row sees (empty for [`At::Next`], whose rows see everything before them in order).
+fn store(cache: &mut KvCache, layer: usize, k: Tensor<4>, v: Tensor<4>, at: At) -> Vec<usize> {
+    match at {
+        At::Next(_) => {
+            cache.append(layer, k, v);
+            Vec::new()
+        }
+        At::Rows(p) => {
+            let mut i0 = 0;
+            while i0 < p.len() {
+                // One slice write per run of consecutive positions.
+                let mut i1 = i0 + 1;
+                while i1 < p.len() && p[i1] == p[i1 - 1] + 1 {
+                    i1 += 1;
+                }
+                let (kr, vr) = (
+                    k.clone().narrow(2, i0, i1 - i0),
+                    v.clone().narrow(2, i0, i1 - i0),
+                );
+                cache.overwrite(layer, p[i0], kr, vr);
+                i0 = i1;
+            }
+            p.iter().map(|&x| x + 1).collect()
+        }
+    }
+}
 
 /// Architectures this file implements (HF `model_type`).
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral"];
@@ -380,7 +418,7 @@ impl Llama {
             });
         }
         for l in layers {
-            let (next, kv) = self.block(l, h, cache, pos);
+            let (next, kv) = self.block(l, h, cache, At::Next(pos));
             h = next;
             if let Some(c) = capture.as_deref_mut() {
                 c.push(kv);
@@ -405,12 +443,42 @@ impl Llama {
     }
 
     /// One decoder block; also returns the rows' pre-RoPE K/V, `[m, 2·kv_dim]`.
-    fn block(
+    ///
+    /// # Shapes
+    /// - h: `[m, hidden]` → (`[m, hidden]`, `[m, 2·kv_dim]`)
+    pub(crate) fn block(
         &self,
         l: usize,
         h: Tensor<2>,
         cache: &mut KvCache,
-        pos: usize,
+        at: At,
+    ) -> (Tensor<2>, Tensor<2>) {
+        let qkv = self.qkv(l, h.clone());
+        self.block_qkv(l, h, qkv, cache, at)
+    }
+
+    /// Layer `l`'s fused Q/K/V projection of its normed input (pre-RoPE).
+    ///
+    /// # Shapes
+    /// - h: `[m, hidden]` → `[m, q_dim + 2·kv_dim]`
+    pub(crate) fn qkv(&self, l: usize, h: Tensor<2>) -> Tensor<2> {
+        let layer = &self.layers[l];
+        let x = self.rms_norm(h, Some(&layer.input_layernorm));
+        self.linear(x, &layer.qkv_proj)
+    }
+
+    /// The rest of the block once the rows' Q/K/V projection is known: RoPE, cache write,
+    /// attention, MLP. Also returns the rows' pre-RoPE K/V.
+    ///
+    /// # Shapes
+    /// - h: `[m, hidden]`, qkv: `[m, q_dim + 2·kv_dim]` → (`[m, hidden]`, `[m, 2·kv_dim]`)
+    pub(crate) fn block_qkv(
+        &self,
+        l: usize,
+        h: Tensor<2>,
+        qkv: Tensor<2>,
+        cache: &mut KvCache,
+        at: At,
     ) -> (Tensor<2>, Tensor<2>) {
         let layer = &self.layers[l];
         let cfg = &self.config;
@@ -420,30 +488,33 @@ impl Llama {
             cfg.num_key_value_heads,
             cfg.head_dim(),
         );
-
-        let x = self.rms_norm(h.clone(), Some(&layer.input_layernorm));
-        let qkv = self.linear(x, &layer.qkv_proj);
         let q_dim = heads * hd;
         let kv_pre = qkv.clone().narrow(1, q_dim, 2 * kv_heads * hd);
         #[cfg(feature = "flex")]
         if self.cpu_kernels {
-            let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, self.rope.host(pos));
-            cache.append(l, k, v);
+            let rot = match at {
+                At::Next(pos) => self.rope.host(pos),
+                At::Rows(p) => self.rope.host_at(0, p),
+            };
+            let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, rot);
+            let seen = store(cache, l, k, v, at);
             let (k_all, v_all) = cache.read(l);
-            let a = crate::cpu::attention(q, k_all, v_all);
+            let a = crate::cpu::attention(q, k_all, v_all, &seen);
             let h = crate::cpu::matmul_add(a, &layer.o_proj, h);
             let x = self.rms_norm(h.clone(), Some(&layer.post_attention_layernorm));
             let gu = crate::cpu::matmul(x, &layer.gate_up_proj);
             let act = crate::cpu::swiglu(gu);
             return (crate::cpu::matmul_add(act, &layer.down_proj, h), kv_pre);
         }
-        let q = self.split_heads(qkv.narrow(1, 0, q_dim), heads);
-        let q = self.rope.apply(q, pos);
+        let rotate = |x: Tensor<4>| match at {
+            At::Next(pos) => self.rope.apply(x, pos),
+            At::Rows(p) => self.rope.apply_at(x, p),
+        };
+        let q = rotate(self.split_heads(qkv.narrow(1, 0, q_dim), heads));
         let (k, v) = self.split_kv(kv_pre.clone());
-        let k = self.rope.apply(k, pos);
-        cache.append(l, k, v);
+        let seen = store(cache, l, rotate(k), v, at);
         let (k_all, v_all) = cache.read(l);
-        let attn = self.attend(q, k_all, v_all, heads, kv_heads);
+        let attn = self.attend(q, k_all, v_all, heads, kv_heads, &seen);
         let attn = attn.swap_dims(1, 2).reshape([m, heads * hd]);
         let h = h + attn.matmul(layer.o_proj.clone());
 
@@ -455,7 +526,8 @@ impl Llama {
         (h + (gate * up).matmul(layer.down_proj.clone()), kv_pre)
     }
 
-    /// Causal grouped-query attention of the last `m` positions over all `t` cached positions.
+    /// Causal grouped-query attention over all `t` cached positions: query `i` sees the first
+    /// `seen[i]` keys, or with `seen` empty the queries are the last `m` positions.
     ///
     /// # Shapes
     /// - q: `[1, heads, m, hd]`, k/v: `[1, kv_heads, t, hd]` → `[1, heads, m, hd]`
@@ -466,6 +538,7 @@ impl Llama {
         v: Tensor<4>,
         heads: usize,
         kv_heads: usize,
+        seen: &[usize],
     ) -> Tensor<4> {
         let group = heads / kv_heads;
         let [_, _, t, hd] = k.dims();
@@ -479,13 +552,22 @@ impl Llama {
             };
             (rep(k), rep(v))
         };
-        // Causal masking is aligned bottom-right: query i sits at position t - m + i.
+        let m = q.dims()[2];
+        let mask = (!seen.is_empty()).then(|| {
+            let bits: Vec<bool> = seen
+                .iter()
+                .flat_map(|&s| (0..t).map(move |j| j >= s))
+                .collect();
+            Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, m, t]), &self.device)
+                .expand([1, heads, m, t])
+        });
+        // Without a mask, causal masking is aligned bottom-right: query i sits at t - m + i.
         let opts = AttentionModuleOptions {
             scale: None,
             softcap: None,
-            is_causal: true,
+            is_causal: mask.is_none(),
         };
-        attention(q, k, v, None, None, opts)
+        attention(q, k, v, mask, None, opts)
     }
 
     /// Final norm and output head.

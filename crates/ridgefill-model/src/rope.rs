@@ -1,7 +1,7 @@
 //! Rotary position embedding, Hugging Face rotate-half convention (GGUF Q/K rows are un-permuted
 //! on load, so one convention serves every format).
 
-use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 
 /// Precomputed cos/sin tables, `[max_positions, head_dim]`.
 pub struct Rope {
@@ -63,10 +63,17 @@ impl Rope {
     /// The host tables for the fused CPU kernels, rotating rows from position `pos` on.
     #[cfg(feature = "flex")]
     pub fn host(&self, pos: usize) -> crate::cpu::Rotation<'_> {
+        self.host_at(pos, &[])
+    }
+
+    /// The host tables rotating row `i` at position `at[i]` (at `pos + i` when `at` is empty).
+    #[cfg(feature = "flex")]
+    pub fn host_at<'a>(&'a self, pos: usize, at: &'a [usize]) -> crate::cpu::Rotation<'a> {
         crate::cpu::Rotation {
             cos: &self.cos_host,
             sin: &self.sin_host,
             pos,
+            at,
         }
     }
 
@@ -80,16 +87,28 @@ impl Rope {
     /// - x: `[1, heads, m, head_dim]` → `[1, heads, m, head_dim]`
     pub fn apply(&self, x: Tensor<4>, pos: usize) -> Tensor<4> {
         let m = x.dims()[2];
-        let cos = self
-            .cos
-            .clone()
-            .narrow(0, pos, m)
-            .unsqueeze_dims::<4>(&[0, 1]);
-        let sin = self
-            .sin
-            .clone()
-            .narrow(0, pos, m)
-            .unsqueeze_dims::<4>(&[0, 1]);
+        let cos = self.cos.clone().narrow(0, pos, m);
+        let sin = self.sin.clone().narrow(0, pos, m);
+        self.rotate(x, cos, sin)
+    }
+
+    /// Rotates `x` whose row `i` sits at position `at[i]`.
+    ///
+    /// # Shapes
+    /// - x: `[1, heads, m, head_dim]`, at: `[m]` → `[1, heads, m, head_dim]`
+    pub fn apply_at(&self, x: Tensor<4>, at: &[usize]) -> Tensor<4> {
+        let ids: Vec<i32> = at.iter().map(|&p| p as i32).collect();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [at.len()]), &x.device());
+        let cos = self.cos.clone().select(0, ids.clone());
+        let sin = self.sin.clone().select(0, ids);
+        self.rotate(x, cos, sin)
+    }
+
+    /// # Shapes
+    /// - x: `[1, heads, m, head_dim]`, cos/sin: `[m, head_dim]` → `[1, heads, m, head_dim]`
+    fn rotate(&self, x: Tensor<4>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<4> {
+        let cos = cos.unsqueeze_dims::<4>(&[0, 1]);
+        let sin = sin.unsqueeze_dims::<4>(&[0, 1]);
         let half = self.head_dim / 2;
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.clone().narrow(3, half, half);
