@@ -6,13 +6,20 @@ mod common;
 mod tiny;
 
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::io::fill::{FillDtype, ModelFingerprint};
+use ridgefill::io::fill::{FillDtype, ModelFingerprint, SplitTrial};
 use ridgefill::io::stats::{Moments, StatsFile};
 use ridgefill::io::text::Document;
-use ridgefill::model::fill::FillRows;
+use ridgefill::model::fill::{FillMethod, FillRows};
 use ridgefill::model::{Device, to_host_f32};
-use ridgefill_fit::calibrate::{CalibConfig, accumulate_window, calibrate};
-use ridgefill_fit::solve::{AlphaChoice, FitOptions, fit_fill, ridge_solve};
+use ridgefill_fit::FitError;
+use ridgefill_fit::calibrate::{
+    CalibConfig, Control, accumulate_window, accumulate_window_splits, calibrate,
+    calibrate_splits_with,
+};
+use ridgefill_fit::solve::{
+    AlphaChoice, FitOptions, SplitBudget, default_split_candidates, fit_fill,
+    fit_fill_split_search, ridge_solve,
+};
 
 const SPLIT: usize = 1;
 
@@ -39,6 +46,43 @@ fn checkpoint(dir: &tempfile::TempDir) -> Checkpoint {
     let path = dir.path().join("tiny.gguf");
     tiny::write_gguf(&t, &path, &tiny::Faults::default());
     Checkpoint::open(&path).unwrap()
+}
+
+/// Layers of the deeper tiny model the split search runs on.
+const DEEP_LAYERS: usize = 4;
+
+/// The tiny model with [`DEEP_LAYERS`] layers: the extra layers are the first ones again, with
+/// every exactly negatable tensor (all but the Q8_0 ones) negated so they differ.
+fn deep_checkpoint(dir: &tempfile::TempDir) -> (Checkpoint, std::path::PathBuf) {
+    let mut t = tiny::tiny();
+    let mut extra = Vec::new();
+    for l in tiny::LAYERS..DEEP_LAYERS {
+        let from = l % tiny::LAYERS;
+        let (hf, gg) = (format!("model.layers.{from}."), format!("blk.{from}."));
+        for tt in t.tensors.iter().filter(|tt| tt.hf_name.starts_with(&hf)) {
+            let negate = tt.gguf_store != tiny::Store::Q8_0;
+            extra.push(tiny::TinyTensor {
+                hf_name: tt.hf_name.replacen(&hf, &format!("model.layers.{l}."), 1),
+                gguf_name: tt.gguf_name.replacen(&gg, &format!("blk.{l}."), 1),
+                hf_shape: tt.hf_shape.clone(),
+                values: if negate {
+                    tt.values.iter().map(|v| -v).collect()
+                } else {
+                    tt.values.clone()
+                },
+                hf_store: tt.hf_store,
+                gguf_store: tt.gguf_store,
+                q8_raw: tt.q8_raw.clone(),
+                permute_heads: tt.permute_heads,
+            });
+        }
+    }
+    t.tensors.extend(extra);
+    let path = dir.path().join("deep.gguf");
+    let mut w = tiny::gguf_writer(&t, &tiny::Faults::default());
+    w.add_meta("llama.block_count", DEEP_LAYERS as u32);
+    w.write(&path).unwrap();
+    (Checkpoint::open(&path).unwrap(), path)
 }
 
 fn cfg(max_tokens: Option<usize>) -> CalibConfig {
@@ -68,7 +112,13 @@ fn fit_recovers_the_split_layers_own_projection() {
     assert!(cal.stats.fit.rows > 500 && cal.stats.heldout.rows > 0);
     let opts = FitOptions {
         alpha: AlphaChoice::Fixed(1e-9),
-        rows: FillRows { sink: 1, tail: 4 },
+        rows: FillRows {
+            sink: 1,
+            tail: 4,
+            ..FillRows::default()
+        },
+        method: FillMethod::Ridge,
+        adapt_weight: 0.0,
         created_by: "test".into(),
     };
     let file = fit_fill(&model, &cal.stats, &cal.heldout_windows, &opts).unwrap();
@@ -103,7 +153,11 @@ fn fit_recovers_the_split_layers_own_projection() {
             &ids,
             &mut model.new_cache(20),
             &maps,
-            FillRows { sink: 1, tail: 4 },
+            FillRows {
+                sink: 1,
+                tail: 4,
+                ..FillRows::default()
+            },
         )
         .unwrap();
     assert!(to_host_f32(logits).iter().all(|x| x.is_finite()));
@@ -206,7 +260,13 @@ fn a_fill_file_for_another_model_is_refused_before_anything_runs() {
     .unwrap();
     let opts = FitOptions {
         alpha: AlphaChoice::Fixed(1e-3),
-        rows: FillRows { sink: 1, tail: 4 },
+        rows: FillRows {
+            sink: 1,
+            tail: 4,
+            ..FillRows::default()
+        },
+        method: FillMethod::Ridge,
+        adapt_weight: 0.0,
         created_by: "test".into(),
     };
     let path = dir.path().join("tiny.fill");
@@ -235,4 +295,356 @@ fn a_fill_file_for_another_model_is_refused_before_anything_runs() {
         "nothing may be generated: {:?}",
         out.stdout
     );
+}
+
+fn assert_moments_close(a: &Moments, b: &Moments, what: &str) {
+    assert_eq!(
+        (a.features(), a.cols(), a.rows),
+        (b.features(), b.cols(), b.rows),
+        "{what}"
+    );
+    for (name, x, y) in [
+        ("xtx", &a.xtx, &b.xtx),
+        ("xty", &a.xty, &b.xty),
+        ("y_sum", &a.y_sum, &b.y_sum),
+        ("y_sq", &a.y_sq, &b.y_sq),
+    ] {
+        let scale = y.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        for (i, (p, q)) in x.iter().zip(y.iter()).enumerate() {
+            assert!(
+                (p - q).abs() <= 1e-9 * (1.0 + scale),
+                "{what} {name}[{i}]: {p} vs {q}"
+            );
+        }
+    }
+}
+
+#[test]
+fn one_pass_over_several_splits_equals_a_pass_per_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ck, _) = deep_checkpoint(&dir);
+    let model = common::load_on(&ck, &Device::flex());
+    assert_eq!(model.num_layers(), DEEP_LAYERS);
+    let all = docs(10, 11);
+    let splits = [1, 2, 3];
+    let multi = calibrate_splits_with(
+        &model,
+        ModelFingerprint::of(&ck),
+        &ck.tokenizer,
+        &all,
+        &cfg(None),
+        &splits,
+        Control {
+            progress: &mut |_| {},
+            stop: &|| false,
+            require_solvable: false,
+            require_heldout: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(multi.stats.len(), splits.len());
+    assert!(!multi.heldout_windows.is_empty());
+    for (&split, stats) in splits.iter().zip(&multi.stats) {
+        let single = calibrate(
+            &model,
+            ModelFingerprint::of(&ck),
+            &ck.tokenizer,
+            &all,
+            &CalibConfig { split, ..cfg(None) },
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(stats.meta, single.stats.meta, "split {split}");
+        assert_eq!(multi.heldout_windows, single.heldout_windows);
+        assert!(stats.fit.rows > 0 && stats.heldout.rows > 0);
+        assert_moments_close(&stats.fit, &single.stats.fit, &format!("split {split} fit"));
+        assert_moments_close(
+            &stats.heldout,
+            &single.stats.heldout,
+            &format!("split {split} held-out"),
+        );
+    }
+    // The window-level entry point agrees too.
+    let w: Vec<u32> = ck.tokenizer.encode(&all[0].text, true).unwrap()[..32].to_vec();
+    let f = model.config.hidden_size + 1;
+    let kv2 = 2 * model.config.kv_dim();
+    let mut ms: Vec<Moments> = [1, 3]
+        .iter()
+        .map(|&s| Moments::zeros(f, (DEEP_LAYERS - s) * kv2))
+        .collect();
+    accumulate_window_splits(&model, &w, &[1, 3], 1, &mut ms).unwrap();
+    for (&s, m) in [1, 3].iter().zip(&ms) {
+        let mut one = Moments::zeros(f, (DEEP_LAYERS - s) * kv2);
+        accumulate_window(&model, &w, s, 1, &mut one).unwrap();
+        assert_moments_close(m, &one, &format!("window, split {s}"));
+    }
+    // Splits out of order or out of range are refused.
+    for bad in [&[2, 1][..], &[0, 2], &[1, DEEP_LAYERS]] {
+        let mut ms: Vec<Moments> = bad.iter().map(|_| Moments::zeros(f, kv2)).collect();
+        assert!(accumulate_window_splits(&model, &w, bad, 1, &mut ms).is_err());
+    }
+}
+
+#[test]
+fn default_candidates_spread_over_the_layers() {
+    assert_eq!(default_split_candidates(30), vec![5, 10, 15, 20, 25]);
+    assert_eq!(default_split_candidates(32), vec![6, 12, 18, 24, 30]);
+    assert_eq!(default_split_candidates(16), vec![3, 6, 9, 12]);
+    assert_eq!(default_split_candidates(4), vec![1, 2]);
+    assert_eq!(default_split_candidates(2), vec![1]);
+    for l in 2..80 {
+        let c = default_split_candidates(l);
+        assert!(!c.is_empty() && c.len() <= 6, "{l}: {c:?}");
+        assert!(c.iter().all(|&s| 0 < s && s < l), "{l}: {c:?}");
+    }
+}
+
+#[test]
+fn split_search_picks_the_smallest_split_within_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ck, _) = deep_checkpoint(&dir);
+    let model = common::load_on(&ck, &Device::flex());
+    let splits = [1, 2, 3];
+    let cal = calibrate_splits_with(
+        &model,
+        ModelFingerprint::of(&ck),
+        &ck.tokenizer,
+        &docs(30, 21),
+        &cfg(None),
+        &splits,
+        Control {
+            progress: &mut |_| {},
+            stop: &|| false,
+            require_solvable: true,
+            require_heldout: true,
+        },
+    )
+    .unwrap();
+    let opts = FitOptions {
+        alpha: AlphaChoice::Fixed(1e-3),
+        rows: FillRows {
+            sink: 1,
+            tail: 4,
+            ..FillRows::default()
+        },
+        method: FillMethod::Ridge,
+        adapt_weight: 0.0,
+        created_by: "test".into(),
+    };
+    let search = |budget: SplitBudget| {
+        fit_fill_split_search(
+            &model,
+            &cal.stats,
+            &cal.heldout_windows,
+            &opts,
+            budget,
+            &|| false,
+            &mut |_| {},
+        )
+    };
+    // Everything within budget: the smallest split, with every candidate recorded.
+    let loose = search(SplitBudget {
+        max_kl: 1e9,
+        min_top1: 0.0,
+    })
+    .unwrap();
+    assert_eq!(loose.meta.split, 1);
+    let trials = loose.meta.split_search.clone();
+    assert_eq!(
+        trials.iter().map(|t| t.split).collect::<Vec<_>>(),
+        splits.to_vec()
+    );
+    for t in &trials {
+        assert!(t.kl.is_finite() && t.kl > -1e-6, "{t:?}");
+        assert!((0.0..=1.0).contains(&t.top1), "{t:?}");
+        assert!(t.flops_ratio > 0.0 && t.flops_ratio < 1.0, "{t:?}");
+    }
+    // Fewer layers filled costs more FLOPs.
+    assert!(
+        trials
+            .windows(2)
+            .all(|p| p[0].flops_ratio < p[1].flops_ratio)
+    );
+    // The chosen candidate's file is the plain fit at that split.
+    let plain = fit_fill(&model, &cal.stats[0], &cal.heldout_windows, &opts).unwrap();
+    assert_eq!(loose.k, plain.k);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * (1.0 + a.abs().max(b.abs()));
+    assert!(close(plain.meta.heldout_kl.unwrap(), trials[0].kl));
+    assert_eq!(loose.meta.heldout_kl, Some(trials[0].kl));
+    // Repeated searches measure the same (up to the last bits of the held-out passes).
+    let same_trials = |got: &[SplitTrial]| {
+        got.len() == trials.len()
+            && got.iter().zip(&trials).all(|(a, b)| {
+                a.split == b.split
+                    && close(a.kl, b.kl)
+                    && close(a.top1, b.top1)
+                    && a.flops_ratio == b.flops_ratio
+            })
+    };
+
+    // A KL budget only some candidates meet: the smallest of those.
+    let max_kl = trials.iter().map(|t| t.kl).fold(f64::INFINITY, f64::min) * (1.0 + 1e-4);
+    let want = trials.iter().find(|t| t.kl <= max_kl).unwrap().split;
+    let tight = search(SplitBudget {
+        max_kl,
+        min_top1: 0.0,
+    })
+    .unwrap();
+    assert_eq!(tight.meta.split, want);
+    assert!(same_trials(&tight.meta.split_search));
+    assert_eq!(tight.k.len(), DEEP_LAYERS - want);
+
+    // A top-1 floor alone.
+    let min_top1 = trials.iter().map(|t| t.top1).fold(0.0, f64::max);
+    let want = trials.iter().find(|t| t.top1 >= min_top1).unwrap().split;
+    let floor = search(SplitBudget {
+        max_kl: 1e9,
+        min_top1,
+    })
+    .unwrap();
+    assert_eq!(floor.meta.split, want);
+
+    // An impossible budget: a typed error carrying every trial, naming the best candidate.
+    let budget = SplitBudget {
+        max_kl: 0.0,
+        min_top1: 0.0,
+    };
+    match search(budget) {
+        Err(e @ FitError::NoSplitWithinBudget { .. }) => {
+            let msg = e.to_string();
+            let FitError::NoSplitWithinBudget { trials: got, .. } = e else {
+                unreachable!()
+            };
+            assert!(same_trials(&got));
+            let best = trials.iter().min_by(|a, b| a.kl.total_cmp(&b.kl)).unwrap();
+            assert!(
+                msg.contains("no candidate split is within the budget")
+                    && msg.contains(&format!("split {}", best.split))
+                    && msg.contains("--max-kl"),
+                "{msg}"
+            );
+        }
+        other => panic!(
+            "expected NoSplitWithinBudget, got {:?}",
+            other.map(|f| f.meta)
+        ),
+    }
+
+    // Ctrl-C: the search stops.
+    let err = fit_fill_split_search(
+        &model,
+        &cal.stats,
+        &cal.heldout_windows,
+        &opts,
+        SplitBudget {
+            max_kl: 1e9,
+            min_top1: 0.0,
+        },
+        &|| true,
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(matches!(err, FitError::Stopped), "{err:?}");
+}
+
+#[test]
+fn fit_split_auto_through_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, model) = deep_checkpoint(&dir);
+    let calib = dir.path().join("calib");
+    std::fs::create_dir(&calib).unwrap();
+    for i in 0..16 {
+        std::fs::write(
+            calib.join(format!("doc{i:02}.txt")),
+            tiny::words(150, i + 1),
+        )
+        .unwrap();
+    }
+    let out = dir.path().join("auto.fill");
+    let fit = |extra: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ridgefill"));
+        cmd.arg("fit")
+            .arg("-m")
+            .arg(&model)
+            .args([
+                "--device", "cpu", "--ctx", "32", "--alpha", "1e-3", "--tail", "4",
+            ])
+            .arg("--calib")
+            .arg(&calib)
+            .args(extra)
+            .arg("-o")
+            .arg(&out)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let ok = fit(&["--split", "auto", "--max-kl", "1000", "--candidates", "2,1"]);
+    let stderr = String::from_utf8_lossy(&ok.stderr);
+    assert!(ok.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("split search") && stderr.contains("<- chosen"),
+        "{stderr}"
+    );
+    let file = ridgefill::io::fill::FillFile::read(&out).unwrap();
+    assert_eq!(file.meta.split, 1);
+    assert_eq!(
+        file.meta
+            .split_search
+            .iter()
+            .map(|t| t.split)
+            .collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    std::fs::remove_file(&out).unwrap();
+
+    // No candidate within budget: the table, a clear error, and no file. Plain ridge: on windows
+    // this short the shipped method's minimum spans cover every bulk row (KL 0).
+    let none = fit(&[
+        "--split",
+        "auto",
+        "--max-kl",
+        "0",
+        "--candidates",
+        "1,2",
+        "--method",
+        "ridge",
+    ]);
+    let stderr = String::from_utf8_lossy(&none.stderr);
+    assert_eq!(none.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("split search")
+            && stderr.contains("no candidate split is within the budget")
+            && stderr.contains("give a larger --max-kl (--max-kl "),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+
+    // Flags that do not go together, refused before any work.
+    for (extra, needle) in [
+        (&["--split", "auto"][..], "--split auto needs --max-kl"),
+        (
+            &["--split", "1", "--max-kl", "1"],
+            "only apply to --split auto",
+        ),
+        (
+            &["--candidates", "1", "--split", "1"],
+            "only apply to --split auto",
+        ),
+        (
+            &["--split", "auto", "--max-kl", "1", "--stats-out", "x.stats"],
+            "does not support --stats-out",
+        ),
+        (
+            &["--split", "auto", "--max-kl", "1", "--candidates", "1,4"],
+            "--candidates: split 4 is out of range for a 4-layer model",
+        ),
+    ] {
+        let o = fit(extra);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{extra:?}: {stderr}");
+        assert!(stderr.contains(needle), "{extra:?}: {stderr}");
+        assert!(!out.exists());
+    }
+    let o = fit(&["--split", "deep", "--max-kl", "1"]);
+    assert_eq!(o.status.code(), Some(2));
 }

@@ -11,7 +11,8 @@ use crate::{FitError, Result};
 
 #[derive(Clone, Debug)]
 pub struct CalibConfig {
-    /// First skipped layer.
+    /// First skipped layer ([`calibrate_splits_with`] takes its splits separately and ignores
+    /// this).
     pub split: usize,
     /// Leading rows of each window left out of the statistics: they are computed exactly at run
     /// time and are outliers (the attention sink).
@@ -74,34 +75,93 @@ pub fn accumulate_window(
     sink: usize,
     m: &mut Moments,
 ) -> Result<()> {
-    accumulate_window_at(model, window, split, sink, m, 0)
+    check_splits(model.num_layers(), &[split])?;
+    accumulate_window_at(model, window, &[split], sink, std::slice::from_mut(m), 0)
 }
 
-/// [`accumulate_window`] for the `index`-th window of a pass (named in errors).
+/// Runs one window through the full model once and adds, for every split of `splits`
+/// (ascending, distinct, each in `1..L`), that split's moments to the matching entry of
+/// `moments`: features from the hidden state entering the split, targets the K/V of layers
+/// `split..L`. Each entry ends up exactly as [`accumulate_window`] at its split leaves it.
+pub fn accumulate_window_splits(
+    model: &Llama,
+    window: &[u32],
+    splits: &[usize],
+    sink: usize,
+    moments: &mut [Moments],
+) -> Result<()> {
+    check_splits(model.num_layers(), splits)?;
+    if moments.len() != splits.len() {
+        return Err(FitError::Invalid(format!(
+            "{} moments for {} splits",
+            moments.len(),
+            splits.len()
+        )));
+    }
+    accumulate_window_at(model, window, splits, sink, moments, 0)
+}
+
+/// Checks that `splits` is non-empty, ascending, distinct and inside `1..layers`.
+fn check_splits(layers: usize, splits: &[usize]) -> Result<()> {
+    if splits.is_empty() {
+        return Err(FitError::Invalid("no split to calibrate for".into()));
+    }
+    if let Some(&s) = splits.iter().find(|&&s| s == 0 || s >= layers) {
+        return Err(FitError::Invalid(format!(
+            "split candidate {s} is out of range for a {layers}-layer model (need 0 < split < \
+             {layers})"
+        )));
+    }
+    if splits.windows(2).any(|p| p[0] >= p[1]) {
+        return Err(FitError::Invalid(format!(
+            "split candidates {splits:?} are not ascending and distinct"
+        )));
+    }
+    Ok(())
+}
+
+/// The `index`-th window of a pass (named in errors) for every split of `splits` (ascending,
+/// distinct, in range; `moments[i]` belongs to `splits[i]`).
+///
+/// The model runs once: layers `0..splits[0]`, then each segment between consecutive splits
+/// capturing K/V, so the hidden state entering every split and every upper layer's K/V come
+/// out of the same forward pass.
 fn accumulate_window_at(
     model: &Llama,
     window: &[u32],
-    split: usize,
+    splits: &[usize],
     sink: usize,
-    m: &mut Moments,
+    moments: &mut [Moments],
     index: usize,
 ) -> Result<()> {
     let n = window.len();
     let layers = model.num_layers();
-    let mut cache = model.new_cache(n);
-    let h = model.embed(window)?;
-    let h_split = model.forward_layers(h, 0..split, &mut cache, 0)?;
-    let (_, kv) = model.forward_layers_capturing(h_split.clone(), split..layers, &mut cache, 0)?;
+    let first = splits[0];
     let rows = n - sink;
-    let x = model.fill_features(h_split).narrow(0, sink, rows);
-    let y = Tensor::cat(kv, 1).narrow(0, sink, rows);
-    let (f, cols) = (m.features(), m.cols());
-    let x = to_host_f32(x);
-    let y = to_host_f32(y);
-    for (what, data, width) in [
-        ("hidden state entering the split layer", &x, f),
-        ("upper-layer K/V", &y, cols),
-    ] {
+    let mut cache = model.new_cache(n);
+    let mut h = model.forward_layers(model.embed(window)?, 0..first, &mut cache, 0)?;
+    let mut xs = Vec::with_capacity(splits.len());
+    let mut kv = Vec::with_capacity(layers - first);
+    for (i, &s) in splits.iter().enumerate() {
+        let end = splits.get(i + 1).copied().unwrap_or(layers);
+        xs.push(to_host_f32(
+            model.fill_features(h.clone()).narrow(0, sink, rows),
+        ));
+        let (next, seg) = model.forward_layers_capturing(h, s..end, &mut cache, 0)?;
+        h = next;
+        kv.extend(seg);
+    }
+    drop(h);
+    // Every upper layer of the first split, in the statistics' column order; a deeper split's
+    // targets are a suffix of these columns.
+    let y = to_host_f32(Tensor::cat(kv, 1).narrow(0, sink, rows));
+    let f = model.config.hidden_size + 1;
+    let all_cols = (layers - first) * 2 * model.config.kv_dim();
+    let checks = xs
+        .iter()
+        .map(|x| ("hidden state entering the split layer", x, f))
+        .chain([("upper-layer K/V", &y, all_cols)]);
+    for (what, data, width) in checks {
         if let Some(i) = data.iter().position(|v| !v.is_finite()) {
             return Err(FitError::NonFiniteActivation {
                 what,
@@ -111,8 +171,20 @@ fn accumulate_window_at(
             });
         }
     }
+    for ((x, &s), m) in xs.iter().zip(splits).zip(moments.iter_mut()) {
+        let offset = (s - first) * 2 * model.config.kv_dim();
+        add_moments(m, x, &y, all_cols, offset, rows);
+    }
+    Ok(())
+}
+
+/// Adds `rows` samples to `m`: features `x` (`[rows, features]` row-major) and targets the
+/// `m.cols()` columns of `y` (`[rows, stride]` row-major) starting at column `offset`.
+fn add_moments(m: &mut Moments, x: &[f32], y: &[f32], stride: usize, offset: usize, rows: usize) {
+    let (f, cols) = (m.features(), m.cols());
+    debug_assert!(x.len() == rows * f && offset + cols <= stride && y.len() == rows * stride);
     let xm = Mat::<f64>::from_fn(rows, f, |i, j| x[i * f + j] as f64);
-    let ym = Mat::<f64>::from_fn(rows, cols, |i, j| y[i * cols + j] as f64);
+    let ym = Mat::<f64>::from_fn(rows, cols, |i, j| y[i * stride + offset + j] as f64);
     let mut xtx = faer::MatMut::from_row_major_slice_mut(&mut m.xtx, f, f);
     faer::linalg::matmul::matmul(
         &mut xtx,
@@ -139,7 +211,6 @@ fn accumulate_window_at(
         }
     }
     m.rows += rows as u64;
-    Ok(())
 }
 
 /// Hooks into a calibration pass.
@@ -151,8 +222,8 @@ pub struct Control<'a> {
     /// Fail with [`FitError::TooFewTokens`] before the pass when the fit windows cannot reach
     /// [`crate::min_rows`]. Off for statistics shards, which are summed before any solve.
     pub require_solvable: bool,
-    /// Fail before the pass when no held-out window is left (`--alpha auto` measures KL on
-    /// them).
+    /// Fail before the pass when no held-out window is left (`--alpha auto` and `--split auto`
+    /// measure KL on them).
     pub require_heldout: bool,
 }
 
@@ -197,6 +268,71 @@ pub fn calibrate_with(
             cfg.split
         )));
     }
+    let mut cal = pass(
+        model,
+        fingerprint,
+        tok,
+        docs,
+        cfg,
+        &[cfg.split],
+        ctl,
+        ("--alpha auto", ", or a fixed --alpha"),
+    )?;
+    Ok(Calibration {
+        stats: cal.stats.pop().expect("one statistics file per split"),
+        heldout_windows: cal.heldout_windows,
+    })
+}
+
+/// Statistics for several candidate splits from one calibration pass.
+pub struct SplitCalibration {
+    /// One statistics file per split, in the (ascending) order of the splits; each is exactly
+    /// what [`calibrate_with`] at that split gives.
+    pub stats: Vec<StatsFile>,
+    /// Held-out windows (token ids), shared by every split.
+    pub heldout_windows: Vec<Vec<u32>>,
+}
+
+/// [`calibrate_with`] for every split of `splits` (ascending, distinct, each in `1..L`) in one
+/// pass: each window runs through the model once and feeds every split's moments. `cfg.split`
+/// is ignored. Memory grows with the candidates: split `s` keeps
+/// `(d + 1) · (L − s) · 2 · kv_dim` f64 for each of the fit and held-out sets.
+pub fn calibrate_splits_with(
+    model: &Llama,
+    fingerprint: ModelFingerprint,
+    tok: &Tokenizer,
+    docs: &[Document],
+    cfg: &CalibConfig,
+    splits: &[usize],
+    ctl: Control<'_>,
+) -> Result<SplitCalibration> {
+    pass(
+        model,
+        fingerprint,
+        tok,
+        docs,
+        cfg,
+        splits,
+        ctl,
+        ("--split auto", ""),
+    )
+}
+
+/// The calibration pass for `splits`; `heldout_need` names what needs held-out windows and
+/// the remedy beyond more text, for the error when none is left.
+#[allow(clippy::too_many_arguments)]
+fn pass(
+    model: &Llama,
+    fingerprint: ModelFingerprint,
+    tok: &Tokenizer,
+    docs: &[Document],
+    cfg: &CalibConfig,
+    splits: &[usize],
+    ctl: Control<'_>,
+    heldout_need: (&str, &str),
+) -> Result<SplitCalibration> {
+    let layers = model.num_layers();
+    check_splits(layers, splits)?;
     if cfg.ctx < cfg.sink + MIN_WINDOW_ROWS {
         return Err(FitError::Invalid(format!(
             "--ctx {} is too short: each window needs the {} sink token(s) plus at least \
@@ -255,16 +391,21 @@ pub fn calibrate_with(
         }
     }
     if ctl.require_heldout && heldout_windows.is_empty() {
+        let (what, remedy) = heldout_need;
         return Err(FitError::Invalid(format!(
-            "--alpha auto needs held-out text to measure KL, and none is left: held-out windows \
-             come from documents after the fit's, and the {} document(s) given are all used by \
-             the fit; give more documents, a smaller --max-tokens, or a fixed --alpha",
+            "{what} needs held-out text to measure KL, and none is left: held-out windows come \
+             from documents after the fit's, and the {} document(s) given are all used by the \
+             fit; give more documents, a smaller --max-tokens{remedy}",
             docs.len()
         )));
     }
-    let cols = (layers - cfg.split) * 2 * model.config.kv_dim();
-    let mut fit = Moments::zeros(features, cols);
-    let mut heldout = Moments::zeros(features, cols);
+    let zeros = || -> Vec<Moments> {
+        splits
+            .iter()
+            .map(|&s| Moments::zeros(features, (layers - s) * 2 * model.config.kv_dim()))
+            .collect()
+    };
+    let (mut fit, mut heldout) = (zeros(), zeros());
     let work = fit_tokens + held_tokens;
     let mut done = 0;
     (ctl.progress)(Progress {
@@ -277,7 +418,7 @@ pub fn calibrate_with(
             if (ctl.stop)() {
                 return Err(FitError::Stopped);
             }
-            accumulate_window_at(model, w, cfg.split, cfg.sink, m, index)?;
+            accumulate_window_at(model, w, splits, cfg.sink, m, index)?;
             index += 1;
             done += w.len();
             (ctl.progress)(Progress {
@@ -286,17 +427,26 @@ pub fn calibrate_with(
             });
         }
     }
-    let meta = StatsMeta {
-        format_version: STATS_FORMAT_VERSION,
-        model: fingerprint,
-        split: cfg.split,
-        sink: cfg.sink,
-        feature: FEATURE_KIND.to_string(),
-        ctx: cfg.ctx,
-        sources: used_docs.iter().map(|&i| docs[i].source.clone()).collect(),
-    };
-    Ok(Calibration {
-        stats: StatsFile { meta, fit, heldout },
+    let sources: Vec<String> = used_docs.iter().map(|&i| docs[i].source.clone()).collect();
+    let stats = splits
+        .iter()
+        .zip(fit.into_iter().zip(heldout))
+        .map(|(&split, (fit, heldout))| StatsFile {
+            meta: StatsMeta {
+                format_version: STATS_FORMAT_VERSION,
+                model: fingerprint.clone(),
+                split,
+                sink: cfg.sink,
+                feature: FEATURE_KIND.to_string(),
+                ctx: cfg.ctx,
+                sources: sources.clone(),
+            },
+            fit,
+            heldout,
+        })
+        .collect();
+    Ok(SplitCalibration {
+        stats,
         heldout_windows,
     })
 }

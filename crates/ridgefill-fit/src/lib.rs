@@ -2,14 +2,21 @@
 //!
 //! One pass over plain text runs the full model, capturing the hidden state entering the split
 //! layer (features) and every upper layer's pre-RoPE K/V (targets). Only their moments are kept,
-//! so shards made on different machines add up to exactly one pass over the union.
+//! so shards made on different machines add up to exactly one pass over the union. The same
+//! pass can feed several candidate splits at once, for `fit --split auto`
+//! ([`calibrate_splits_with`], [`fit_fill_split_search`]).
 
 pub mod calibrate;
 pub mod solve;
 
-pub use calibrate::{CalibConfig, Calibration, Control, Progress, calibrate, calibrate_with};
+pub use calibrate::{
+    CalibConfig, Calibration, Control, Progress, SplitCalibration, calibrate,
+    calibrate_splits_with, calibrate_with,
+};
 pub use solve::{
-    AlphaChoice, FitOptions, MIN_ROWS_PER_FEATURE, fit_fill, fit_fill_until, min_rows, ridge_solve,
+    AlphaChoice, FitOptions, HeldoutFidelity, MIN_ROWS_PER_FEATURE, SplitBudget, SplitEvent,
+    default_split_candidates, fit_fill, fit_fill_split_search, fit_fill_until, min_rows,
+    ridge_solve,
 };
 
 use std::path::PathBuf;
@@ -69,6 +76,13 @@ pub enum FitError {
         window: usize,
         position: usize,
         value: f32,
+    },
+    /// `--split auto`: no candidate split is within the quality budget. Carries every
+    /// candidate measured, so a caller can show them.
+    #[error("{}", solve::no_split_message(.budget, .trials))]
+    NoSplitWithinBudget {
+        budget: solve::SplitBudget,
+        trials: Vec<ridgefill_io::fill::SplitTrial>,
     },
     /// The caller's stop hook asked the pass or the solve to end early.
     #[error("stopped before the fit finished")]

@@ -3,10 +3,12 @@
 
 use faer::linalg::solvers::Solve;
 use faer::{Mat, MatRef, Side};
-use ridgefill_io::fill::{AlphaTrial, FILL_FORMAT_VERSION, FillFile, FillMeta, LayerQuality};
+use ridgefill_io::fill::{
+    AlphaTrial, FILL_FORMAT_VERSION, FillFile, FillMeta, FillMethodMeta, LayerQuality, SplitTrial,
+};
 use ridgefill_io::stats::{Moments, StatsFile};
-use ridgefill_model::eval::{Method, WindowStats};
-use ridgefill_model::fill::{FillMaps, FillRows};
+use ridgefill_model::eval::{Method, Skip, WindowStats, prefill_flops};
+use ridgefill_model::fill::{FillMaps, FillMethod, FillRows};
 use ridgefill_model::{Llama, Tensor};
 
 use crate::{FitError, Result};
@@ -43,9 +45,63 @@ pub enum AlphaChoice {
 #[derive(Clone, Debug)]
 pub struct FitOptions {
     pub alpha: AlphaChoice,
-    /// Exact rows used when measuring held-out KL (as at run time).
+    /// Exact rows used when measuring held-out KL (as at run time), with the method's span
+    /// budget.
     pub rows: FillRows,
+    /// The method recorded in the file and used for the held-out measurements.
+    pub method: FillMethod,
+    /// Weight of an exact row in the per-prompt update (method `spans-adapt`).
+    pub adapt_weight: f64,
     pub created_by: String,
+}
+
+impl FitOptions {
+    /// What the fill file records about the method.
+    pub fn method_meta(&self) -> FillMethodMeta {
+        let spans = self.method != FillMethod::Ridge;
+        FillMethodMeta {
+            name: self.method.name().into(),
+            exact: if spans { self.rows.exact } else { 0.0 },
+            span_radius: if spans { self.rows.span } else { 0 },
+            adapt_weight: if self.method == FillMethod::SpansAdapt {
+                self.adapt_weight
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// The rows the method runs with.
+    pub fn method_rows(&self) -> FillRows {
+        match self.method {
+            FillMethod::Ridge => FillRows {
+                exact: 0.0,
+                ..self.rows
+            },
+            _ => self.rows,
+        }
+    }
+}
+
+/// `(XᵀX + λ·D)⁻¹` (bias unpenalised), `[features, features]`: what the per-prompt update of the
+/// maps needs from the calibration.
+pub fn precision(fit: &Moments, lambda: f64) -> Result<Mat<f64>> {
+    let f = fit.features();
+    let (xtx, _) = moments_view(fit);
+    let mut a = xtx.to_owned();
+    for i in 0..f - 1 {
+        a[(i, i)] += lambda;
+    }
+    let llt = a
+        .llt(Side::Lower)
+        .map_err(|_| FitError::NotPositiveDefinite { alpha: lambda })?;
+    Ok(llt.solve(Mat::<f64>::identity(f, f)))
+}
+
+/// Row-major f32 copy of a square matrix.
+fn host_square(m: &Mat<f64>) -> Vec<f32> {
+    let f = m.nrows();
+    (0..f * f).map(|i| m[(i / f, i % f)] as f32).collect()
 }
 
 fn moments_view(m: &Moments) -> (MatRef<'_, f64>, MatRef<'_, f64>) {
@@ -158,6 +214,24 @@ pub fn device_maps(model: &Llama, w: &Mat<f64>, split: usize) -> Result<FillMaps
     )?)
 }
 
+/// Device maps from W as `opts`' method applies them (with the per-prompt update from the
+/// statistics' precision at `lambda` for `spans-adapt`).
+pub fn method_maps(
+    model: &Llama,
+    fit: &Moments,
+    w: &Mat<f64>,
+    lambda: f64,
+    split: usize,
+    opts: &FitOptions,
+) -> Result<FillMaps> {
+    let maps = device_maps(model, w, split)?;
+    if opts.method != FillMethod::SpansAdapt {
+        return Ok(maps);
+    }
+    let p = host_square(&precision(fit, lambda)?);
+    Ok(maps.with_adapt(&p, opts.adapt_weight, model.dtype, &model.device)?)
+}
+
 /// Full-prefill reference log-probabilities of each held-out window's continuation.
 pub struct HeldoutReference {
     windows: Vec<(Vec<u32>, Vec<u32>, Tensor<2>)>,
@@ -196,6 +270,11 @@ impl HeldoutReference {
         self.windows.is_empty()
     }
 
+    /// Lengths of the held-out prefixes (what each method prefills).
+    pub fn prefix_lens(&self) -> impl Iterator<Item = usize> + '_ {
+        self.windows.iter().map(|(prefix, _, _)| prefix.len())
+    }
+
     /// Mean per-token KL(full ‖ fill) over the held-out continuations.
     pub fn kl(&self, model: &Llama, maps: &FillMaps, rows: FillRows) -> Result<f64> {
         self.kl_until(model, maps, rows, &|| false)
@@ -209,6 +288,18 @@ impl HeldoutReference {
         rows: FillRows,
         stop: &dyn Fn() -> bool,
     ) -> Result<f64> {
+        Ok(self.measure_until(model, maps, rows, stop)?.mean_kl())
+    }
+
+    /// KL(full ‖ fill) and top-1 agreement summed over the held-out continuations, polling
+    /// `stop` between windows ([`FitError::Stopped`]).
+    pub fn measure_until(
+        &self,
+        model: &Llama,
+        maps: &FillMaps,
+        rows: FillRows,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<HeldoutFidelity> {
         let mut total = WindowStats::default();
         for (prefix, cont, reference) in &self.windows {
             if stop() {
@@ -217,7 +308,23 @@ impl HeldoutReference {
             let logp = model.continuation_logp(prefix, cont, Method::Fill(maps, rows))?;
             total.add(&model.compare_logp(logp, reference.clone(), cont));
         }
-        Ok(total.kl / total.tokens.max(1) as f64)
+        Ok(HeldoutFidelity(total))
+    }
+}
+
+/// Held-out fidelity of a fill against full prefill, summed over the continuation tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HeldoutFidelity(pub WindowStats);
+
+impl HeldoutFidelity {
+    /// Mean per-token KL(full ‖ fill), nats.
+    pub fn mean_kl(&self) -> f64 {
+        self.0.kl / self.0.tokens.max(1) as f64
+    }
+
+    /// Share of continuation tokens whose most likely next token agrees with full prefill.
+    pub fn top1(&self) -> f64 {
+        self.0.top1 as f64 / self.0.tokens.max(1) as f64
     }
 }
 
@@ -240,8 +347,6 @@ pub fn fit_fill_until(
     opts: &FitOptions,
     stop: &dyn Fn() -> bool,
 ) -> Result<FillFile> {
-    let split = stats.meta.split;
-    let kv_dim = model.config.kv_dim();
     // Fail on too few rows before the (slow) held-out reference pass.
     let needed = min_rows(stats.fit.features());
     if stats.fit.rows < needed {
@@ -252,21 +357,35 @@ pub fn fit_fill_until(
         });
     }
     let reference = HeldoutReference::new_until(model, heldout_windows, opts.rows, stop)?;
+    Ok(fit_with_reference(model, stats, &reference, opts, stop)?.0)
+}
+
+/// [`fit_fill_until`] against a held-out reference already computed; also returns the held-out
+/// fidelity at the chosen α (`None` when the reference is empty).
+fn fit_with_reference(
+    model: &Llama,
+    stats: &StatsFile,
+    reference: &HeldoutReference,
+    opts: &FitOptions,
+    stop: &dyn Fn() -> bool,
+) -> Result<(FillFile, Option<HeldoutFidelity>)> {
+    let split = stats.meta.split;
+    let kv_dim = model.config.kv_dim();
     let mut grid = Vec::new();
-    let (alpha, w, lambda, kl) = match &opts.alpha {
+    let (alpha, w, lambda, held) = match &opts.alpha {
         AlphaChoice::Fixed(a) => {
             let (w, lambda) = ridge_solve(&stats.fit, *a)?;
-            let kl = if reference.is_empty() {
+            let held = if reference.is_empty() {
                 None
             } else {
-                let kl =
-                    reference.kl_until(model, &device_maps(model, &w, split)?, opts.rows, stop)?;
-                if !kl.is_finite() {
+                let maps = method_maps(model, &stats.fit, &w, lambda, split, opts)?;
+                let held = reference.measure_until(model, &maps, opts.method_rows(), stop)?;
+                if !held.mean_kl().is_finite() {
                     return Err(FitError::NonFiniteKl { alpha: *a });
                 }
-                Some(kl)
+                Some(held)
             };
-            (*a, w, lambda, kl)
+            (*a, w, lambda, held)
         }
         AlphaChoice::Auto(alphas) => {
             if reference.is_empty() {
@@ -276,7 +395,7 @@ pub fn fit_fill_until(
                         .into(),
                 ));
             }
-            let mut best: Option<(f64, Mat<f64>, f64, f64)> = None;
+            let mut best: Option<(f64, Mat<f64>, f64, HeldoutFidelity)> = None;
             let mut last_failure = String::new();
             for &a in alphas {
                 let (w, lambda) = match ridge_solve(&stats.fit, a) {
@@ -290,8 +409,9 @@ pub fn fit_fill_until(
                     }
                     Err(e) => return Err(e),
                 };
-                let kl =
-                    reference.kl_until(model, &device_maps(model, &w, split)?, opts.rows, stop)?;
+                let maps = method_maps(model, &stats.fit, &w, lambda, split, opts)?;
+                let held = reference.measure_until(model, &maps, opts.method_rows(), stop)?;
+                let kl = held.mean_kl();
                 if !kl.is_finite() {
                     // These maps make the model overflow: never the best choice.
                     last_failure = FitError::NonFiniteKl { alpha: a }.to_string();
@@ -302,15 +422,15 @@ pub fn fit_fill_until(
                     lambda,
                     kl,
                 });
-                if best.as_ref().is_none_or(|b| kl < b.3) {
-                    best = Some((a, w, lambda, kl));
+                if best.as_ref().is_none_or(|b| kl < b.3.mean_kl()) {
+                    best = Some((a, w, lambda, held));
                 }
             }
-            let (a, w, lambda, kl) = best.ok_or_else(|| FitError::NoUsableAlpha {
+            let (a, w, lambda, held) = best.ok_or_else(|| FitError::NoUsableAlpha {
                 tried: alphas.clone(),
                 last: last_failure,
             })?;
-            (a, w, lambda, Some(kl))
+            (a, w, lambda, Some(held))
         }
     };
     let quality = if stats.heldout.rows > 0 {
@@ -319,6 +439,10 @@ pub fn fit_fill_until(
         Vec::new()
     };
     let (k, v) = split_maps(&w, kv_dim);
+    let precision = match opts.method {
+        FillMethod::SpansAdapt => Some(host_square(&precision(&stats.fit, lambda)?)),
+        _ => None,
+    };
     let meta = FillMeta {
         format_version: FILL_FORMAT_VERSION,
         model: stats.meta.model.clone(),
@@ -331,11 +455,254 @@ pub fn fit_fill_until(
         calib_sources: stats.meta.sources.clone(),
         heldout_tokens: stats.heldout.rows,
         quality,
-        heldout_kl: kl,
+        heldout_kl: held.map(|h| h.mean_kl()),
         alpha_grid: grid,
         created_by: opts.created_by.clone(),
+        method: opts.method_meta(),
+        split_search: Vec::new(),
     };
-    Ok(FillFile { meta, k, v })
+    Ok((
+        FillFile {
+            meta,
+            k,
+            v,
+            precision,
+        },
+        held,
+    ))
+}
+
+/// The quality a split must keep to be chosen by [`fit_fill_split_search`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SplitBudget {
+    /// Largest acceptable mean held-out KL(full ‖ method), nats per token.
+    pub max_kl: f64,
+    /// Smallest acceptable held-out top-1 agreement with full prefill, in `0..=1`.
+    pub min_top1: f64,
+}
+
+impl SplitBudget {
+    /// Whether `trial` is within the budget.
+    pub fn admits(&self, trial: &SplitTrial) -> bool {
+        trial.kl <= self.max_kl && trial.top1 >= self.min_top1
+    }
+}
+
+/// Candidate splits tried by default for an `layers`-layer model: every `⌈L / 6⌉`-th layer up
+/// to `L − 2` (5, 10, 15, 20, 25 for 30 layers), a spread of at most six that keeps the held-out
+/// evaluation of every candidate affordable; tiny models get every layer from 1.
+pub fn default_split_candidates(layers: usize) -> Vec<usize> {
+    let step = layers.div_ceil(6).max(1);
+    let last = if layers >= 4 {
+        layers - 2
+    } else {
+        layers.saturating_sub(1)
+    };
+    (1..).map(|i| i * step).take_while(|&s| s <= last).collect()
+}
+
+/// What [`fit_fill_split_search`] reports as it goes.
+#[derive(Debug)]
+pub enum SplitEvent<'a> {
+    /// The `index`-th of `count` candidates (by ascending split) is being solved and measured.
+    Start {
+        split: usize,
+        index: usize,
+        count: usize,
+    },
+    /// A candidate measured.
+    Trial(&'a SplitTrial),
+    /// A candidate whose maps could not be fitted (at any α tried): left out of the search.
+    Failed { split: usize, error: &'a FitError },
+}
+
+/// `fit --split auto`: fits every candidate's statistics (one [`StatsFile`] per split, as
+/// [`crate::calibrate::calibrate_splits_with`] gives them) with `opts`, measures each on the
+/// held-out windows with the file's method (mean KL, top-1 agreement, and the prefill FLOPs
+/// against full prefill summed over the held-out prefixes), and returns the fill file of the
+/// smallest split within `budget` (the fewest layers run for the bulk), its `split_search`
+/// listing every candidate measured.
+///
+/// Fails with [`FitError::NoSplitWithinBudget`] (carrying every trial) when no candidate is
+/// within the budget. `stop` is polled between held-out windows, α trials and candidates.
+pub fn fit_fill_split_search(
+    model: &Llama,
+    stats: &[StatsFile],
+    heldout_windows: &[Vec<u32>],
+    opts: &FitOptions,
+    budget: SplitBudget,
+    stop: &dyn Fn() -> bool,
+    report: &mut dyn FnMut(SplitEvent<'_>),
+) -> Result<FillFile> {
+    if !(budget.max_kl.is_finite() && budget.max_kl >= 0.0) {
+        return Err(FitError::Invalid(format!(
+            "--max-kl {}: expected a non-negative number",
+            budget.max_kl
+        )));
+    }
+    if !(0.0..=1.0).contains(&budget.min_top1) {
+        return Err(FitError::Invalid(format!(
+            "--min-top1 {}: expected a share between 0 and 1",
+            budget.min_top1
+        )));
+    }
+    let mut stats: Vec<&StatsFile> = stats.iter().collect();
+    stats.sort_by_key(|s| s.meta.split);
+    if stats.is_empty() {
+        return Err(FitError::Invalid("--split auto: no candidate split".into()));
+    }
+    if let Some(p) = stats
+        .windows(2)
+        .find(|p| p[0].meta.split == p[1].meta.split)
+    {
+        return Err(FitError::Invalid(format!(
+            "--split auto: split {} is given twice",
+            p[0].meta.split
+        )));
+    }
+    // Every candidate comes from the same windows: check the rows once, before the (slow)
+    // held-out reference pass.
+    for s in &stats {
+        let needed = min_rows(s.fit.features());
+        if s.fit.rows < needed {
+            return Err(FitError::TooFewTokens {
+                rows: s.fit.rows,
+                features: s.fit.features(),
+                needed,
+            });
+        }
+    }
+    let reference = HeldoutReference::new_until(model, heldout_windows, opts.rows, stop)?;
+    if reference.is_empty() {
+        return Err(FitError::Invalid(
+            "--split auto needs held-out text to measure each candidate; give more calibration \
+             text (more documents, or a smaller --max-tokens)"
+                .into(),
+        ));
+    }
+    let lens: Vec<usize> = reference.prefix_lens().collect();
+    let flops = |skip: Option<Skip>| -> f64 {
+        lens.iter()
+            .map(|&n| prefill_flops(&model.config, n, skip))
+            .sum()
+    };
+    let full_flops = flops(None);
+    let count = stats.len();
+    let mut trials = Vec::with_capacity(count);
+    let mut chosen = None;
+    let mut last_failure = None;
+    for (index, s) in stats.into_iter().enumerate() {
+        if stop() {
+            return Err(FitError::Stopped);
+        }
+        let split = s.meta.split;
+        report(SplitEvent::Start {
+            split,
+            index,
+            count,
+        });
+        let (file, held) = match fit_with_reference(model, s, &reference, opts, stop) {
+            Ok((file, Some(held))) => (file, held),
+            Ok((_, None)) => unreachable!("a non-empty reference always measures"),
+            // Too weak a penalty or overflowing maps at this split: others may still do.
+            Err(
+                error @ (FitError::NotPositiveDefinite { .. }
+                | FitError::NonFinite { .. }
+                | FitError::NonFiniteKl { .. }
+                | FitError::NoUsableAlpha { .. }),
+            ) => {
+                report(SplitEvent::Failed {
+                    split,
+                    error: &error,
+                });
+                last_failure = Some(error);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let skip = Skip {
+            split,
+            rows: opts.method_rows(),
+            filled: true,
+            adapt: opts.method == FillMethod::SpansAdapt,
+        };
+        let trial = SplitTrial {
+            split,
+            kl: held.mean_kl(),
+            top1: held.top1(),
+            flops_ratio: flops(Some(skip)) / full_flops,
+        };
+        report(SplitEvent::Trial(&trial));
+        if chosen.is_none() && budget.admits(&trial) {
+            chosen = Some(file);
+        }
+        trials.push(trial);
+    }
+    match chosen {
+        Some(mut file) => {
+            file.meta.split_search = trials;
+            Ok(file)
+        }
+        None => match last_failure {
+            Some(e) if trials.is_empty() => Err(e),
+            _ => Err(FitError::NoSplitWithinBudget { budget, trials }),
+        },
+    }
+}
+
+/// The message of [`FitError::NoSplitWithinBudget`]: the budget, the best candidate (lowest
+/// KL) and what to change.
+pub(crate) fn no_split_message(budget: &SplitBudget, trials: &[SplitTrial]) -> String {
+    let mut msg = format!(
+        "no candidate split is within the budget (held-out KL <= {} nats/token, top-1 >= {})",
+        budget.max_kl, budget.min_top1
+    );
+    let best = trials
+        .iter()
+        .min_by(|a, b| a.kl.total_cmp(&b.kl).then(b.top1.total_cmp(&a.top1)));
+    let Some(b) = best else {
+        return msg;
+    };
+    msg += &format!(
+        ": the best, split {}, has held-out KL {:.5} and top-1 {:.3} at {:.3}x the FLOPs of full \
+         prefill",
+        b.split, b.kl, b.top1, b.flops_ratio
+    );
+    let mut asks = Vec::new();
+    if b.kl > budget.max_kl {
+        asks.push(format!("--max-kl {}", two_digits(b.kl, true)));
+    }
+    if b.top1 < budget.min_top1 {
+        asks.push(format!("--min-top1 {}", two_digits(b.top1, false)));
+    }
+    if !asks.is_empty() {
+        msg += &format!(
+            "; give a larger --max-kl{} ({} accepts split {})",
+            if b.top1 < budget.min_top1 {
+                " or a smaller --min-top1"
+            } else {
+                ""
+            },
+            asks.join(" with "),
+            b.split
+        );
+    }
+    msg
+}
+
+/// `x` (positive) rounded to two significant digits, up or down, as a short decimal.
+fn two_digits(x: f64, up: bool) -> String {
+    if !(x.is_finite() && x > 0.0) {
+        return format!("{x}");
+    }
+    let e = x.log10().floor() as i32;
+    let scale = 10f64.powi(e - 1);
+    let r = if up {
+        (x / scale).ceil()
+    } else {
+        (x / scale).floor()
+    } * scale;
+    format!("{:.*}", (1 - e).max(0) as usize, r)
 }
 
 #[cfg(test)]
@@ -351,6 +718,52 @@ mod tests {
         m.xty.iter_mut().for_each(|v| *v = xty);
         m.rows = rows;
         m
+    }
+
+    #[test]
+    fn budget_suggestions_admit_the_best_candidate() {
+        assert_eq!(two_digits(0.000213, true), "0.00022");
+        assert_eq!(two_digits(1.5, true), "1.5");
+        assert_eq!(two_digits(123.0, true), "130");
+        assert_eq!(two_digits(0.8971, false), "0.89");
+        let trials = [
+            SplitTrial {
+                split: 5,
+                kl: 0.31234,
+                top1: 0.7,
+                flops_ratio: 0.3,
+            },
+            SplitTrial {
+                split: 10,
+                kl: 0.0213,
+                top1: 0.87,
+                flops_ratio: 0.5,
+            },
+        ];
+        let budget = SplitBudget {
+            max_kl: 0.01,
+            min_top1: 0.9,
+        };
+        let msg = no_split_message(&budget, &trials);
+        assert!(
+            msg.contains("the best, split 10, has held-out KL 0.02130 and top-1 0.870")
+                && msg.contains(
+                    "give a larger --max-kl or a smaller --min-top1 (--max-kl 0.022 with \
+                     --min-top1 0.87 accepts split 10)"
+                ),
+            "{msg}"
+        );
+        let msg = no_split_message(
+            &SplitBudget {
+                max_kl: 0.01,
+                min_top1: 0.0,
+            },
+            &trials,
+        );
+        assert!(
+            msg.ends_with("give a larger --max-kl (--max-kl 0.022 accepts split 10)"),
+            "{msg}"
+        );
     }
 
     #[test]
