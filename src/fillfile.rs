@@ -5,9 +5,13 @@ use std::path::Path;
 use anyhow::Result;
 use ridgefill_io::IoError;
 use ridgefill_io::checkpoint::Checkpoint;
-use ridgefill_io::fill::{FillFile, METADATA_KEY, ModelFingerprint, k_tensor_name, v_tensor_name};
+use ridgefill_io::fill::{
+    FillFile, METADATA_KEY, ModelFingerprint, PRECISION_TENSOR, k_tensor_name, v_tensor_name,
+};
 use ridgefill_model::Llama;
-use ridgefill_model::fill::FillMaps;
+use ridgefill_model::fill::{
+    DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, DEFAULT_SPAN_RADIUS, FillMaps, FillMethod, FillRows,
+};
 
 /// Reads `path`, checks it was made for this model and holds only finite numbers, and uploads
 /// the maps to the model's device.
@@ -38,7 +42,20 @@ pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Llama) -> Result<(FillF
             }
         }
     }
-    let maps = FillMaps::from_host(
+    if let Some(index) = file
+        .precision
+        .as_ref()
+        .and_then(|p| p.iter().position(|x| !x.is_finite()))
+    {
+        return Err(IoError::NonFinite {
+            path: path.to_path_buf(),
+            tensor: PRECISION_TENSOR.into(),
+            index,
+            value: f64::from(file.precision.as_ref().map_or(0.0, |p| p[index])),
+        }
+        .into());
+    }
+    let mut maps = FillMaps::from_host(
         file.meta.split,
         model.config.hidden_size,
         model.config.kv_dim(),
@@ -47,5 +64,55 @@ pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Llama) -> Result<(FillF
         model.dtype,
         &model.device,
     )?;
+    if let Some(p) = &file.precision {
+        let weight = match file.meta.method.adapt_weight {
+            w if w > 0.0 => w,
+            _ => DEFAULT_ADAPT_WEIGHT,
+        };
+        maps = maps.with_adapt(p, weight, model.dtype, &model.device)?;
+    }
     Ok((file, maps))
+}
+
+/// The method and rows a run uses: each run-time choice, else what the fill file records.
+pub fn configure(
+    file: &FillFile,
+    maps: &FillMaps,
+    choice: &MethodChoice,
+) -> Result<(FillMethod, FillMaps, FillRows)> {
+    let recorded = &file.meta.method;
+    let method = match choice.method {
+        Some(m) => m,
+        None => FillMethod::parse(&recorded.name).unwrap_or(FillMethod::Ridge),
+    };
+    let exact = choice.exact.unwrap_or(match recorded.exact {
+        e if e > 0.0 => e,
+        _ => DEFAULT_EXACT,
+    });
+    let span = choice.span.unwrap_or(match recorded.span_radius {
+        0 => DEFAULT_SPAN_RADIUS,
+        r => r,
+    });
+    let rows = FillRows {
+        sink: choice.sink,
+        tail: choice.tail,
+        exact,
+        span,
+    };
+    let (mut maps, rows) = method.configure(maps, rows)?;
+    if let (Some(w), Some(a)) = (choice.adapt_weight, maps.adapt.as_mut()) {
+        a.weight = w;
+    }
+    Ok((method, maps, rows))
+}
+
+/// Run-time choices of how to apply a fill file (`None`: what the file records).
+#[derive(Clone, Debug)]
+pub struct MethodChoice {
+    pub method: Option<FillMethod>,
+    pub exact: Option<f64>,
+    pub span: Option<usize>,
+    pub adapt_weight: Option<f64>,
+    pub sink: usize,
+    pub tail: usize,
 }

@@ -8,8 +8,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use ridgefill::model::eval::{decode_bytes, decode_flops, prefill_flops};
-use ridgefill::model::fill::{FillMaps, FillRows};
+use ridgefill::model::eval::{Skip, decode_bytes, decode_flops, prefill_flops};
+use ridgefill::model::fill::{DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, FillMaps, FillMethod, FillRows};
 use ridgefill::model::{DeviceChoice, FloatDType, KvCache, Llama, sample, to_host_f32};
 use ridgefill::session::{LoadArgs, Loaded, dtype_name, load};
 
@@ -42,6 +42,13 @@ pub struct Args {
     /// Trailing tokens that run every layer in fill mode.
     #[arg(long, default_value_t = FillRows::default().tail)]
     pub tail: usize,
+    /// How the fill runs (ridge, spans, spans-adapt); default: the fill file's method, or the
+    /// shipped default with --split.
+    #[arg(long, value_parser = super::generate::parse_method)]
+    pub method: Option<FillMethod>,
+    /// Share of the prompt's rows run exactly in query-chosen spans (default: the fill file's).
+    #[arg(long, value_parser = super::generate::parse_share)]
+    pub exact: Option<f64>,
     /// Prompt lengths (prefill tests `ppN`), comma-separated.
     #[arg(
         short = 'p',
@@ -369,25 +376,74 @@ pub fn load_any(
     })
 }
 
+/// Row label of the fill mode: where the maps came from and how they are applied.
+fn fill_label(fitted: bool, method: FillMethod) -> &'static str {
+    match (fitted, method) {
+        (true, FillMethod::Ridge) => "fitted ridge",
+        (true, FillMethod::Spans) => "fitted spans",
+        (true, FillMethod::SpansAdapt) => "fitted spans-adapt",
+        (false, FillMethod::Ridge) => "own-proj ridge",
+        (false, FillMethod::Spans) => "own-proj spans",
+        (false, FillMethod::SpansAdapt) => "own-proj spans-adapt",
+    }
+}
+
+/// Scale of the stand-in precision matrix `--split` uses: the same work as a fitted one.
+const STAND_IN_PRECISION: f32 = 1e-4;
+
 fn load_modes<'a>(
     a: &Args,
     loaded: &Bench,
     own: &'a mut Option<FillMaps>,
-) -> Result<Option<(&'a FillMaps, &'static str)>> {
+) -> Result<(Option<(&'a FillMaps, &'static str)>, FillRows)> {
+    let choice = ridgefill::fillfile::MethodChoice {
+        method: a.method,
+        exact: a.exact,
+        span: None,
+        adapt_weight: None,
+        sink: a.sink,
+        tail: a.tail,
+    };
     if let Some(path) = &a.fill {
         let Some(ckpt) = &loaded.ckpt else {
             bail!(
                 "--fill needs a real checkpoint (a fill file is made for one); use --split with synthetic models"
             );
         };
-        let (_, maps) = ridgefill::fillfile::load_maps(path, ckpt, &loaded.model)?;
+        let (file, maps) = ridgefill::fillfile::load_maps(path, ckpt, &loaded.model)?;
+        let (method, maps, rows) = ridgefill::fillfile::configure(&file, &maps, &choice)?;
         *own = Some(maps);
-        Ok(own.as_ref().map(|m| (m, "fitted")))
+        Ok((own.as_ref().map(|m| (m, fill_label(true, method))), rows))
     } else if let Some(split) = a.split {
-        *own = Some(loaded.model.own_proj_maps(split)?);
-        Ok(own.as_ref().map(|m| (m, "own-proj")))
+        let model = &loaded.model;
+        let f = model.config.hidden_size + 1;
+        let eye: Vec<f32> = (0..f * f)
+            .map(|i| {
+                if i % (f + 1) == 0 {
+                    STAND_IN_PRECISION
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let maps = model.own_proj_maps(split)?.with_adapt(
+            &eye,
+            DEFAULT_ADAPT_WEIGHT,
+            model.dtype,
+            &model.device,
+        )?;
+        let method = a.method.unwrap_or(FillMethod::DEFAULT);
+        let rows = FillRows {
+            sink: a.sink,
+            tail: a.tail,
+            exact: a.exact.unwrap_or(DEFAULT_EXACT),
+            ..FillRows::default()
+        };
+        let (maps, rows) = method.configure(&maps, rows)?;
+        *own = Some(maps);
+        Ok((own.as_ref().map(|m| (m, fill_label(false, method))), rows))
     } else {
-        Ok(None)
+        Ok((None, FillRows::default()))
     }
 }
 
@@ -397,14 +453,8 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
     let loaded = load_any(&a.model, choice, a.dtype, capacity)?;
     let model = &loaded.model;
     let mut own = None;
-    let fill = load_modes(a, &loaded, &mut own)?;
-    let modes = Modes {
-        fill,
-        rows: FillRows {
-            sink: a.sink,
-            tail: a.tail,
-        },
-    };
+    let (fill, rows) = load_modes(a, &loaded, &mut own)?;
+    let modes = Modes { fill, rows };
     let backend = loaded.device.backend;
     let ceil = ceilings(backend, a.no_probe);
     let header = Header {
@@ -444,7 +494,13 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
         eprintln!("bench: {backend} pp{n}");
         let series = alternate(&modes, a.reps, |m| runner.time_pp(n, m, modes.rows))?;
         let flops = |m: Option<&FillMaps>| {
-            prefill_flops(&model.config, n, m.map(|m| (m.split, modes.rows, true)))
+            let skip = m.map(|m| Skip {
+                split: m.split,
+                rows: modes.rows,
+                filled: true,
+                adapt: m.adapt.is_some(),
+            });
+            prefill_flops(&model.config, n, skip)
         };
         rows.extend(make_rows(
             &header,

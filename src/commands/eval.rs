@@ -1,13 +1,22 @@
+//! `ridgefill eval`: how closely each prefill method tracks full prefill, on text (NLL, KL, top-1)
+//! or on retrieval tasks (see [`super::retrieval`]).
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
+use ridgefill::fillfile::{MethodChoice, configure};
 use ridgefill::interrupt;
+use ridgefill::io::config::ModelConfig;
+use ridgefill::io::fill::FillFile;
 use ridgefill::io::text::collect_documents;
-use ridgefill::model::eval::{Method, WindowStats, prefill_flops};
+use ridgefill::model::Llama;
+use ridgefill::model::eval::{Method, Skip, WindowStats, prefill_flops};
+use ridgefill::model::fill::{FillMaps, FillMethod, FillRows};
 
 use super::common::{ModelArgs, load};
 use super::generate::RowArgs;
+use super::retrieval::{self, Task};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -16,14 +25,28 @@ pub struct Args {
     /// Fill file made by `ridgefill fit` for this model.
     #[arg(long)]
     pub fill: PathBuf,
-    /// Evaluation text: files or directories (Brown is detected and detagged).
-    #[arg(long, num_args = 1.., required_unless_present = "passkey")]
+    /// Evaluation text: files or directories (Brown is detected and detagged). With --task, the
+    /// prose of the `prose` and `multi` tasks (default: the Brown corpus, fetched when missing).
+    #[arg(long, num_args = 1.., required_unless_present_any = ["passkey", "task"])]
     pub text: Vec<PathBuf>,
-    /// Passkey retrieval instead: a 5-digit key hidden at depths 10..90% of filler text.
+    /// Methods to compare; `full` always runs, since every other method is measured against it.
+    /// `fill` is the fill file's shipped method as the row flags configure it, `ridge` and
+    /// `spans` the same maps without spans or without the per-prompt update.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "full,fill,ridge,drop,own-proj"
+    )]
+    pub methods: Vec<EvalMethod>,
+    /// Retrieval tasks instead of text fidelity: passkey, passkey-first, prose, multi.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub task: Vec<Task>,
+    /// Passkey retrieval: the same as `--task passkey`.
     #[arg(long)]
     pub passkey: bool,
-    /// Prompt lengths (tokens) for --passkey.
-    #[arg(long, value_delimiter = ',', default_value = "512,1024,2048")]
+    /// Prompt lengths (tokens) for the retrieval tasks, up to the model's context.
+    #[arg(long, value_delimiter = ',', default_value = "512,1024,2048,4096")]
     pub lengths: Vec<usize>,
     /// Prefix tokens, prefilled by each method.
     #[arg(long, default_value_t = 512)]
@@ -44,41 +67,318 @@ pub struct Args {
     pub lossy: bool,
 }
 
-/// Method names in report order.
-const METHODS: [&str; 4] = ["full", "fill", "drop", "own-proj"];
+impl Args {
+    /// The retrieval tasks asked for (`--passkey` included), in order, each once.
+    fn tasks(&self) -> Vec<Task> {
+        let mut tasks = Vec::new();
+        let passkey = self.passkey.then_some(Task::Passkey);
+        for t in passkey.into_iter().chain(self.task.iter().copied()) {
+            if !tasks.contains(&t) {
+                tasks.push(t);
+            }
+        }
+        tasks
+    }
+
+    /// The methods to run: `full` first (the reference), then the others in the order given.
+    fn method_list(&self) -> Vec<EvalMethod> {
+        let mut list = vec![EvalMethod::Full];
+        for &m in &self.methods {
+            if !list.contains(&m) {
+                list.push(m);
+            }
+        }
+        list
+    }
+}
+
+/// A prefill method `eval` compares against full prefill.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalMethod {
+    /// Every row through every layer: the reference.
+    Full,
+    /// The fill file's shipped method, as the row flags configure it.
+    Fill,
+    /// The same maps, every bulk row filled: no spans, no per-prompt update.
+    Ridge,
+    /// The same maps plus query-chosen exact spans, without the per-prompt update.
+    Spans,
+    /// The bulk rows never enter the upper layers: the floor any fill must beat.
+    Drop,
+    /// Training-free maps from each upper layer's own K/V projection.
+    OwnProj,
+}
+
+impl EvalMethod {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Fill => "fill",
+            Self::Ridge => "ridge",
+            Self::Spans => "spans",
+            Self::Drop => "drop",
+            Self::OwnProj => "own-proj",
+        }
+    }
+}
+
+/// A method ready to run: its maps (when it fills) and the rows it runs exactly.
+pub struct Runner {
+    pub method: EvalMethod,
+    maps: Option<FillMaps>,
+    pub rows: FillRows,
+    split: usize,
+}
+
+impl Runner {
+    pub fn name(&self) -> &'static str {
+        self.method.name()
+    }
+
+    /// The engine's view of this method.
+    pub fn prefill(&self) -> Method<'_> {
+        match (self.method, &self.maps) {
+            (EvalMethod::Full, _) => Method::Full,
+            (_, Some(maps)) => Method::Fill(maps, self.rows),
+            (_, None) => Method::Drop(self.split, self.rows),
+        }
+    }
+
+    /// Prefill FLOPs of an `n`-token prompt against full prefill's.
+    pub fn flops_ratio(&self, cfg: &ModelConfig, n: usize) -> f64 {
+        let skip = match self.method {
+            EvalMethod::Full => None,
+            _ => Some(Skip {
+                split: self.split,
+                rows: self.rows,
+                filled: self.maps.is_some(),
+                adapt: self.maps.as_ref().is_some_and(|m| m.adapt.is_some()),
+            }),
+        };
+        prefill_flops(cfg, n, skip) / prefill_flops(cfg, n, None)
+    }
+}
+
+/// Which method `fill` stands for, for the report.
+#[derive(Clone, Copy, Debug)]
+pub struct FillSummary {
+    pub method: FillMethod,
+    pub exact: f64,
+    pub span: usize,
+}
+
+impl FillSummary {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({"name": self.method.name(), "exact": self.exact, "span": self.span})
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "fill = {} (exact share {}, span ±{})",
+            self.method, self.exact, self.span
+        )
+    }
+}
+
+/// The runners of `list` (full first) and what `fill` is.
+fn prepare(
+    model: &Llama,
+    file: &FillFile,
+    maps: &FillMaps,
+    rows: &RowArgs,
+    list: &[EvalMethod],
+) -> Result<(Vec<Runner>, FillSummary)> {
+    let split = file.meta.split;
+    let choice = rows.choice();
+    // The shipped method is configured even when not run: the report names it.
+    let (fill_method, _, fill_rows) = configure(file, maps, &choice)?;
+    let summary = FillSummary {
+        method: fill_method,
+        exact: fill_rows.exact,
+        span: fill_rows.span,
+    };
+    // Ridge and spans: the same flags, with the method fixed.
+    let variant = |method| MethodChoice {
+        method: Some(method),
+        ..choice.clone()
+    };
+    let mut runners = Vec::with_capacity(list.len());
+    for &method in list {
+        let (maps, rows) = match method {
+            EvalMethod::Full | EvalMethod::Drop => (None, rows.rows()),
+            EvalMethod::OwnProj => (Some(model.own_proj_maps(split)?), rows.rows()),
+            EvalMethod::Fill => fitted(configure(file, maps, &choice)?),
+            EvalMethod::Ridge => fitted(configure(file, maps, &variant(FillMethod::Ridge))?),
+            EvalMethod::Spans => fitted(configure(file, maps, &variant(FillMethod::Spans))?),
+        };
+        runners.push(Runner {
+            method,
+            maps,
+            rows,
+            split,
+        });
+    }
+    Ok((runners, summary))
+}
+
+/// The maps and rows of a configured fill method.
+fn fitted((_, maps, rows): (FillMethod, FillMaps, FillRows)) -> (Option<FillMaps>, FillRows) {
+    (Some(maps), rows)
+}
+
+/// The longest RoPE table `eval` builds: beyond any supported model's context, and it keeps an
+/// absurd `--lengths` from allocating before the context check below rejects it.
+const MAX_LOAD_POSITIONS: usize = 1 << 17;
+
+/// An `eval` run that cannot be done as asked.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error("--prefix and --cont must be positive")]
+    EmptyWindow,
+    #[error("--lengths must list positive prompt lengths")]
+    NoLengths,
+    #[error("--sink {sink} + --tail {tail} leaves no bulk rows in a {what} of {len}")]
+    NoBulk {
+        sink: usize,
+        tail: usize,
+        what: &'static str,
+        len: usize,
+    },
+    #[error("{what} needs {needed} positions, but the model's context is {context}: {hint}")]
+    BeyondContext {
+        what: String,
+        needed: usize,
+        context: usize,
+        hint: String,
+    },
+    #[error("no window of {0} tokens in the evaluation text")]
+    NoWindow(usize),
+    #[error(
+        "non-finite log-likelihood (NLL {nll}, KL {kl}) under method {method} in window {window} \
+         of {len} tokens: the model's activations overflowed"
+    )]
+    NonFinite {
+        nll: f64,
+        kl: f64,
+        method: &'static str,
+        window: usize,
+        len: usize,
+    },
+}
 
 pub fn run(a: Args) -> Result<()> {
-    if a.prefix == 0 || a.cont == 0 {
-        bail!("--prefix and --cont must be positive");
-    }
-    let rows = a.rows.rows();
-    if rows.sink + rows.tail >= a.prefix {
-        bail!(
-            "--sink {} + --tail {} leaves no bulk rows in a prefix of {}",
-            rows.sink,
-            rows.tail,
-            a.prefix
-        );
-    }
-    let positions = if a.passkey {
-        a.lengths.iter().copied().max().unwrap_or(0) + PASSKEY_ANSWER_TOKENS
+    let tasks = a.tasks();
+    let plain = a.rows.rows();
+    // The longest prompt asked for, and the positions needed beyond it.
+    let (asked, reserved) = if tasks.is_empty() {
+        if a.prefix == 0 || a.cont == 0 {
+            return Err(EvalError::EmptyWindow.into());
+        }
+        check_bulk(plain, "prefix", a.prefix)?;
+        (a.prefix, a.cont)
     } else {
-        a.prefix + a.cont
+        let shortest = a.lengths.iter().copied().min().unwrap_or(0);
+        if shortest == 0 {
+            return Err(EvalError::NoLengths.into());
+        }
+        check_bulk(plain, "prompt", shortest)?;
+        let longest = a.lengths.iter().copied().max().unwrap_or(0);
+        (longest, retrieval::ANSWER_TOKENS)
     };
-    let loaded = load(&a.model.load_args(), positions)?;
-    let model = &loaded.model;
-    let (file, fill) = ridgefill::fillfile::load_maps(&a.fill, &loaded.ckpt, model)?;
-    let split = file.meta.split;
-    let own = model.own_proj_maps(split)?;
-    if a.passkey {
-        let methods = [
-            ("full", Method::Full),
-            ("fill", Method::Fill(&fill, rows)),
-            ("drop", Method::Drop(split, rows)),
-            ("own-proj", Method::Fill(&own, rows)),
-        ];
-        return passkey(&loaded, &methods, &a.lengths, split, rows, a.json);
+    let needed = asked + reserved;
+    let loaded = load(&a.model.load_args(), needed.min(MAX_LOAD_POSITIONS))?;
+    let context = loaded
+        .model
+        .config
+        .max_position_embeddings
+        .min(MAX_LOAD_POSITIONS);
+    if needed > context {
+        let room = context.saturating_sub(reserved);
+        let (what, hint) = if tasks.is_empty() {
+            (
+                format!("--prefix {} + --cont {}", a.prefix, a.cont),
+                format!("keep --prefix within {room} for --cont {}", a.cont),
+            )
+        } else {
+            (
+                format!("--lengths {asked} (+ {reserved} answer tokens)"),
+                format!("keep --lengths within {room}"),
+            )
+        };
+        return Err(EvalError::BeyondContext {
+            what,
+            needed,
+            context,
+            hint,
+        }
+        .into());
     }
+    let model = &loaded.model;
+    let (file, maps) = ridgefill::fillfile::load_maps(&a.fill, &loaded.ckpt, model)?;
+    let (runners, fill) = prepare(model, &file, &maps, &a.rows, &a.method_list())?;
+    let header = Header {
+        split: file.meta.split,
+        rows: plain,
+        fill,
+    };
+    if tasks.is_empty() {
+        text(&a, &loaded, &runners, &header)
+    } else {
+        let prose = tasks
+            .iter()
+            .any(|t| t.needs_prose())
+            .then(|| retrieval::Prose::load(&a.text, a.lossy, asked))
+            .transpose()?;
+        let spec = retrieval::Spec {
+            tasks: &tasks,
+            lengths: &a.lengths,
+            prose: prose.as_ref(),
+        };
+        retrieval::run(&loaded, &runners, &spec, &header, a.json)
+    }
+}
+
+/// Errors unless `rows` leaves bulk rows to skip in `len` rows.
+fn check_bulk(rows: FillRows, what: &'static str, len: usize) -> Result<(), EvalError> {
+    match rows.bulk(len) {
+        Some(_) => Ok(()),
+        None => Err(EvalError::NoBulk {
+            sink: rows.sink,
+            tail: rows.tail,
+            what,
+            len,
+        }),
+    }
+}
+
+/// What every report states: the split, the exact rows, and which method `fill` is.
+pub struct Header {
+    pub split: usize,
+    pub rows: FillRows,
+    pub fill: FillSummary,
+}
+
+impl Header {
+    pub fn describe(&self) -> String {
+        format!(
+            "split {} | sink {} tail {} | {}",
+            self.split,
+            self.rows.sink,
+            self.rows.tail,
+            self.fill.describe()
+        )
+    }
+}
+
+/// Text fidelity: each method prefills every window's prefix, the full model teacher-forces the
+/// continuation, and the continuation's log-probabilities are compared with full prefill's.
+fn text(
+    a: &Args,
+    loaded: &ridgefill::session::Loaded,
+    runners: &[Runner],
+    header: &Header,
+) -> Result<()> {
+    let model = &loaded.model;
     let docs = collect_documents(&a.text, a.lossy)?;
     let len = a.prefix + a.cont;
     let mut windows = Vec::new();
@@ -91,7 +391,7 @@ pub fn run(a: Args) -> Result<()> {
         windows.truncate(m);
     }
     if windows.is_empty() {
-        bail!("no window of {len} tokens in the evaluation text");
+        return Err(EvalError::NoWindow(len).into());
     }
     let mut totals: BTreeMap<&str, WindowStats> = BTreeMap::new();
     let bar = super::fit::Bar::new(
@@ -102,170 +402,79 @@ pub fn run(a: Args) -> Result<()> {
         interrupt::check()?;
         let (prefix, cont) = w.split_at(a.prefix);
         let reference = model.continuation_logp(prefix, cont, Method::Full)?;
-        for name in METHODS {
-            let method = match name {
-                "full" => Method::Full,
-                "fill" => Method::Fill(&fill, rows),
-                "drop" => Method::Drop(split, rows),
-                _ => Method::Fill(&own, rows),
-            };
-            let logp = if name == "full" {
-                reference.clone()
-            } else {
-                model.continuation_logp(prefix, cont, method)?
+        for r in runners {
+            let logp = match r.method {
+                EvalMethod::Full => reference.clone(),
+                _ => model.continuation_logp(prefix, cont, r.prefill())?,
             };
             let s = model.compare_logp(logp, reference.clone(), cont);
             if !s.nll.is_finite() || !s.kl.is_finite() {
-                bail!(
-                    "non-finite log-likelihood (NLL {}, KL {}) under method {name} in window {wi} \
-                     of {len} tokens: the model's activations overflowed",
-                    s.nll,
-                    s.kl
-                );
+                return Err(EvalError::NonFinite {
+                    nll: s.nll,
+                    kl: s.kl,
+                    method: r.name(),
+                    window: wi,
+                    len,
+                }
+                .into());
             }
-            totals.entry(name).or_default().add(&s);
+            totals.entry(r.name()).or_default().add(&s);
         }
         bar.inc(1);
     }
     bar.finish_and_clear();
     let cfg = &model.config;
-    let full_flops = prefill_flops(cfg, a.prefix, None);
-    let flops = |name: &str| -> f64 {
-        let skip = |filled| Some((split, rows, filled));
-        let f = match name {
-            "full" => full_flops,
-            "drop" => prefill_flops(cfg, a.prefix, skip(false)),
-            _ => prefill_flops(cfg, a.prefix, skip(true)),
-        };
-        f / full_flops
-    };
     let mut methods = serde_json::Map::new();
-    for name in METHODS {
-        let s = totals[name];
+    for r in runners {
+        let s = totals[r.name()];
         let t = s.tokens as f64;
         methods.insert(
-            name.to_string(),
+            r.name().to_string(),
             serde_json::json!({
                 "nll": s.nll / t,
                 "kl": s.kl / t,
                 "top1": s.top1 as f64 / t,
-                "flops_ratio": flops(name),
+                "exact": r.rows.exact,
+                "flops_ratio": r.flops_ratio(cfg, a.prefix),
             }),
         );
     }
-    let tokens = totals["full"].tokens;
+    let tokens = totals[EvalMethod::Full.name()].tokens;
     if a.json {
         let out = serde_json::json!({
             "windows": windows.len(),
             "tokens": tokens,
-            "split": split,
+            "split": header.split,
             "prefix": a.prefix,
             "cont": a.cont,
-            "sink": rows.sink,
-            "tail": rows.tail,
+            "sink": header.rows.sink,
+            "tail": header.rows.tail,
+            "fill_method": header.fill.json(),
             "methods": methods,
         });
         println!("{out}");
-    } else {
-        println!(
-            "{} windows, {tokens} continuation tokens | split {split} | prefix {} cont {} | sink {} tail {}",
-            windows.len(),
-            a.prefix,
-            a.cont,
-            rows.sink,
-            rows.tail
-        );
-        println!("| method | NLL | KL(full‖method) | top-1 | prefill FLOPs |");
-        println!("|---|---:|---:|---:|---:|");
-        for name in METHODS {
-            let m = &methods[name];
-            println!(
-                "| {name} | {:.4} | {:.4} | {:.3} | {:.3} |",
-                m["nll"].as_f64().unwrap_or(f64::NAN),
-                m["kl"].as_f64().unwrap_or(f64::NAN),
-                m["top1"].as_f64().unwrap_or(f64::NAN),
-                m["flops_ratio"].as_f64().unwrap_or(f64::NAN)
-            );
-        }
+        return Ok(());
     }
-    Ok(())
-}
-
-/// Greedy tokens generated for the passkey answer.
-const PASSKEY_ANSWER_TOKENS: usize = 8;
-/// Relative depths at which the key is hidden.
-const PASSKEY_DEPTHS: [f64; 5] = [0.1, 0.3, 0.5, 0.7, 0.9];
-const PASSKEY_FILLER: &str =
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
-const PASSKEY_QUESTION: &str = "What is the pass key? The pass key is";
-/// Fixed keys, one per depth, so runs are comparable.
-const PASSKEY_KEYS: [u32; 5] = [68_231, 40_957, 13_586, 92_714, 57_309];
-
-fn passkey(
-    loaded: &ridgefill::session::Loaded,
-    methods: &[(&str, Method)],
-    lengths: &[usize],
-    split: usize,
-    rows: ridgefill::model::fill::FillRows,
-    json: bool,
-) -> Result<()> {
-    let model = &loaded.model;
-    let tok = &loaded.ckpt.tokenizer;
-    let filler_len = tok.encode(PASSKEY_FILLER, false)?.len();
-    let mut results = Vec::new();
-    for &len in lengths {
-        for (name, method) in methods {
-            let mut hits = 0;
-            for (&depth, &key) in PASSKEY_DEPTHS.iter().zip(&PASSKEY_KEYS) {
-                interrupt::check()?;
-                let needle = format!("The pass key is {key}. Remember it. {key} is the pass key. ");
-                let fixed =
-                    tok.encode(&needle, false)?.len() + tok.encode(PASSKEY_QUESTION, false)?.len();
-                let reps = len.saturating_sub(fixed) / filler_len;
-                let before = (reps as f64 * depth).round() as usize;
-                let text = format!(
-                    "{}{needle}{}{PASSKEY_QUESTION}",
-                    PASSKEY_FILLER.repeat(before),
-                    PASSKEY_FILLER.repeat(reps - before)
-                );
-                let ids = tok.encode(&text, true)?;
-                let mut cache = model.new_cache(ids.len() + PASSKEY_ANSWER_TOKENS);
-                let mut logits =
-                    ridgefill::model::to_host_f32(model.prefill_with(&ids, &mut cache, *method)?);
-                let mut answer = Vec::new();
-                for _ in 0..PASSKEY_ANSWER_TOKENS {
-                    let t = ridgefill::model::sample::argmax(&logits);
-                    answer.push(t);
-                    logits = ridgefill::model::to_host_f32(model.decode_step(t, &mut cache)?);
-                }
-                if tok.decode(&answer, true)?.contains(&key.to_string()) {
-                    hits += 1;
-                }
-            }
-            results.push((len, *name, hits as f64 / PASSKEY_DEPTHS.len() as f64));
-        }
-    }
-    if json {
-        let rows_json: Vec<_> = results
-            .iter()
-            .map(|(len, m, acc)| serde_json::json!({"length": len, "method": m, "accuracy": acc}))
-            .collect();
+    println!(
+        "{} windows, {tokens} continuation tokens | prefix {} cont {} | {}",
+        windows.len(),
+        a.prefix,
+        a.cont,
+        header.describe()
+    );
+    println!("| method | NLL | KL(full‖method) | top-1 | prefill FLOPs |");
+    println!("|---|---:|---:|---:|---:|");
+    for r in runners {
+        let m = &methods[r.name()];
+        let f = |key: &str| m[key].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{}",
-            serde_json::json!({"split": split, "sink": rows.sink, "tail": rows.tail, "passkey": rows_json})
+            "| {} | {:.4} | {:.4} | {:.3} | {:.3} |",
+            r.name(),
+            f("nll"),
+            f("kl"),
+            f("top1"),
+            f("flops_ratio")
         );
-    } else {
-        println!(
-            "passkey retrieval, split {split}, sink {} tail {}, {} depths",
-            rows.sink,
-            rows.tail,
-            PASSKEY_DEPTHS.len()
-        );
-        println!("| length | method | accuracy |");
-        println!("|---:|---|---:|");
-        for (len, m, acc) in results {
-            println!("| {len} | {m} | {acc:.2} |");
-        }
     }
     Ok(())
 }

@@ -3,16 +3,19 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use ridgefill::interrupt::{self, Interrupted};
 use ridgefill::io::IoError;
-use ridgefill::io::fill::{FillDtype, ModelFingerprint};
+use ridgefill::io::fill::{FillDtype, FillFile, ModelFingerprint, SplitTrial};
 use ridgefill::io::stats::StatsFile;
 use ridgefill::io::text::collect_documents;
 use ridgefill::model::{DeviceChoice, FloatDType};
 use ridgefill::session::{LoadArgs, load};
 use ridgefill_fit::FitError;
-use ridgefill_fit::calibrate::{CalibConfig, Control, calibrate_with};
-use ridgefill_fit::solve::{AlphaChoice, DEFAULT_ALPHA_GRID, FitOptions, fit_fill_until};
+use ridgefill_fit::calibrate::{CalibConfig, Control, calibrate_splits_with, calibrate_with};
+use ridgefill_fit::solve::{
+    AlphaChoice, DEFAULT_ALPHA_GRID, FitOptions, SplitBudget, SplitEvent, default_split_candidates,
+    fit_fill_split_search, fit_fill_until,
+};
 
-use super::generate::RowArgs;
+use super::generate::{RowArgs, parse_share};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -26,9 +29,21 @@ pub struct Args {
     /// Default: the Brown corpus (`ridgefill fetch brown`).
     #[arg(long, num_args = 1..)]
     pub calib: Vec<PathBuf>,
-    /// First skipped layer.
-    #[arg(long)]
-    pub split: Option<usize>,
+    /// First skipped layer, or `auto`: the smallest of --candidates whose held-out fidelity is
+    /// within --max-kl (and --min-top1), from one calibration pass.
+    #[arg(long, value_parser = parse_split)]
+    pub split: Option<SplitArg>,
+    /// With --split auto: the largest acceptable held-out KL(full ‖ fill), nats per token.
+    #[arg(long, value_parser = parse_max_kl)]
+    pub max_kl: Option<f64>,
+    /// With --split auto: the smallest acceptable held-out top-1 agreement with full prefill
+    /// (0 to 1; default 0).
+    #[arg(long, value_parser = parse_share)]
+    pub min_top1: Option<f64>,
+    /// With --split auto: the splits to try, e.g. 5,10,15 (default: every ⌈L/6⌉-th layer up
+    /// to L−2, e.g. 5,10,15,20,25 for 30 layers).
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub candidates: Vec<usize>,
     /// Calibration window length in tokens.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
@@ -55,6 +70,31 @@ pub struct Args {
     /// Replace undecodable bytes in calibration text instead of failing.
     #[arg(long)]
     pub lossy: bool,
+}
+
+/// `--split`: one layer, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SplitArg {
+    Auto,
+    Layer(usize),
+}
+
+fn parse_split(s: &str) -> std::result::Result<SplitArg, String> {
+    if s == "auto" {
+        return Ok(SplitArg::Auto);
+    }
+    s.parse::<usize>()
+        .map(SplitArg::Layer)
+        .map_err(|_| format!("expected a layer number or `auto`, found {s:?}"))
+}
+
+fn parse_max_kl(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!(
+            "expected a non-negative KL in nats per token, found {s:?}"
+        )),
+    }
 }
 
 /// Share of calibration windows held out to choose α.
@@ -124,6 +164,43 @@ fn parse_alpha(s: &str) -> Result<AlphaChoice> {
     }
 }
 
+/// The `--split auto` request: the budget and the candidates (checked against the model later).
+struct AutoSplit {
+    budget: SplitBudget,
+    candidates: Vec<usize>,
+}
+
+/// Checks the split flags together: `--split auto` needs `--max-kl` and a calibration pass;
+/// the search flags need `--split auto`.
+fn auto_split(a: &Args) -> Result<Option<AutoSplit>> {
+    if a.split != Some(SplitArg::Auto) {
+        if a.max_kl.is_some() || a.min_top1.is_some() || !a.candidates.is_empty() {
+            bail!("--max-kl, --min-top1 and --candidates only apply to --split auto");
+        }
+        return Ok(None);
+    }
+    let Some(max_kl) = a.max_kl else {
+        bail!(
+            "--split auto needs --max-kl K: the largest acceptable held-out KL(full ‖ fill) in \
+             nats per token"
+        );
+    };
+    if a.stats_out.is_some() || !a.from_stats.is_empty() {
+        bail!(
+            "--split auto does not support --stats-out or --from-stats (a statistics file holds \
+             one split): shard with --split N, or search in one calibration pass"
+        );
+    }
+    // Without --stats-out, -o is there (checked before).
+    Ok(Some(AutoSplit {
+        budget: SplitBudget {
+            max_kl,
+            min_top1: a.min_top1.unwrap_or(0.0),
+        },
+        candidates: a.candidates.clone(),
+    }))
+}
+
 pub fn run(a: Args) -> Result<()> {
     let alpha = parse_alpha(&a.alpha)?;
     let out_dtype = match a.dtype.as_str() {
@@ -134,6 +211,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.output.is_none() && a.stats_out.is_none() {
         bail!("nothing to write: give -o FILE (and/or --stats-out FILE)");
     }
+    let auto = auto_split(&a)?;
     for p in a.output.iter().chain(&a.stats_out) {
         check_output_dir(p)?;
     }
@@ -150,6 +228,10 @@ pub fn run(a: Args) -> Result<()> {
     )?;
     let model = &loaded.model;
     let fingerprint = ModelFingerprint::of(&loaded.ckpt);
+    let candidates = match &auto {
+        Some(auto) => Some(candidate_splits(auto, model.num_layers())?),
+        None => None,
+    };
     let calib = if a.calib.is_empty() && a.from_stats.is_empty() {
         vec![ridgefill::fetch::ensure("brown")?]
     } else {
@@ -162,9 +244,11 @@ pub fn run(a: Args) -> Result<()> {
     };
     interrupt::check()?;
     let (stats, heldout_windows) = if a.from_stats.is_empty() {
-        let split = a.split.unwrap_or_default();
         let cfg = CalibConfig {
-            split,
+            split: match a.split {
+                Some(SplitArg::Layer(s)) => s,
+                _ => 0,
+            },
             sink: a.rows.sink,
             ctx: a.ctx,
             max_tokens: a.max_tokens,
@@ -174,43 +258,60 @@ pub fn run(a: Args) -> Result<()> {
             0,
             "calibrating [{bar:30}] {pos}/{len} tokens {per_sec} ETA {eta}",
         );
-        let cal = calibrate_with(
-            model,
-            fingerprint.clone(),
-            &loaded.ckpt.tokenizer,
-            &docs,
-            &cfg,
-            Control {
-                progress: &mut |p| {
-                    if p.tokens_done == 0 {
-                        // Always printed (the bar is hidden when stderr is not a terminal).
-                        bar.suspend(|| {
-                            eprintln!("calibrating: {} tokens (Ctrl-C stops)", p.tokens_total)
-                        });
-                    }
-                    bar.set_length(p.tokens_total as u64);
-                    bar.set_position(p.tokens_done as u64);
-                },
-                stop: &interrupt::requested,
-                // Shards are summed before solving: only a run that solves needs enough rows.
-                require_solvable: a.output.is_some(),
-                require_heldout: a.output.is_some() && matches!(alpha, AlphaChoice::Auto(_)),
-            },
-        )
-        .map_err(fit_error)?;
+        let mut progress = |p: ridgefill_fit::Progress| {
+            if p.tokens_done == 0 {
+                // Always printed (the bar is hidden when stderr is not a terminal).
+                bar.suspend(|| eprintln!("calibrating: {} tokens (Ctrl-C stops)", p.tokens_total));
+            }
+            bar.set_length(p.tokens_total as u64);
+            bar.set_position(p.tokens_done as u64);
+        };
+        let ctl = Control {
+            progress: &mut progress,
+            stop: &interrupt::requested,
+            // Shards are summed before solving: only a run that solves needs enough rows.
+            require_solvable: a.output.is_some(),
+            require_heldout: a.output.is_some()
+                && (matches!(alpha, AlphaChoice::Auto(_)) || candidates.is_some()),
+        };
+        let tok = &loaded.ckpt.tokenizer;
+        let (stats, heldout_windows) = match &candidates {
+            Some(splits) => {
+                let cal = calibrate_splits_with(
+                    model,
+                    fingerprint.clone(),
+                    tok,
+                    &docs,
+                    &cfg,
+                    splits,
+                    ctl,
+                )
+                .map_err(fit_error)?;
+                (cal.stats, cal.heldout_windows)
+            }
+            None => {
+                let cal = calibrate_with(model, fingerprint.clone(), tok, &docs, &cfg, ctl)
+                    .map_err(fit_error)?;
+                (vec![cal.stats], cal.heldout_windows)
+            }
+        };
         bar.finish_and_clear();
         eprintln!(
-            "calibration: {} fit rows, {} held-out rows, {} documents, {:.0} s",
-            cal.stats.fit.rows,
-            cal.stats.heldout.rows,
-            cal.stats.meta.sources.len(),
+            "calibration: {} fit rows, {} held-out rows, {} documents{}, {:.0} s",
+            stats[0].fit.rows,
+            stats[0].heldout.rows,
+            stats[0].meta.sources.len(),
+            match &candidates {
+                Some(c) => format!(", {} candidate splits", c.len()),
+                None => String::new(),
+            },
             bar.elapsed().as_secs_f64()
         );
         if let Some(p) = &a.stats_out {
-            cal.stats.write(p)?;
+            stats[0].write(p)?;
             eprintln!("statistics written to {}", p.display());
         }
-        (cal.stats, cal.heldout_windows)
+        (stats, heldout_windows)
     } else {
         let stats = StatsFile::merge(&a.from_stats)?;
         let fields = stats.meta.model.mismatches(&fingerprint);
@@ -228,7 +329,9 @@ pub fn run(a: Args) -> Result<()> {
                 a.from_stats[0].display()
             );
         }
-        if let Some(s) = a.split.filter(|&s| s != stats.meta.split) {
+        if let Some(SplitArg::Layer(s)) =
+            a.split.filter(|&s| s != SplitArg::Layer(stats.meta.split))
+        {
             bail!(
                 "--split {s} disagrees with the statistics' split {}",
                 stats.meta.split
@@ -245,25 +348,24 @@ pub fn run(a: Args) -> Result<()> {
                     .map(<[u32]>::to_vec),
             );
         }
-        (stats, windows)
+        (vec![stats], windows)
     };
     let Some(output) = &a.output else {
         return Ok(());
     };
-    let opts = FitOptions {
-        alpha,
-        rows: a.rows.rows(),
-        created_by: format!("ridgefill {}", env!("CARGO_PKG_VERSION")),
-    };
+    let opts = fit_options(&a.rows, alpha);
     let t = std::time::Instant::now();
-    let file = fit_fill_until(
-        model,
-        &stats,
-        &heldout_windows,
-        &opts,
-        &interrupt::requested,
-    )
-    .map_err(fit_error)?;
+    let file = match &auto {
+        Some(auto) => search(model, &stats, &heldout_windows, &opts, auto.budget)?,
+        None => fit_fill_until(
+            model,
+            &stats[0],
+            &heldout_windows,
+            &opts,
+            &interrupt::requested,
+        )
+        .map_err(fit_error)?,
+    };
     // The last chance to stop: after this the file is written (atomically) as a whole.
     interrupt::check()?;
     file.write(output, out_dtype)?;
@@ -287,4 +389,114 @@ pub fn run(a: Args) -> Result<()> {
     );
     println!("{}", output.display());
     Ok(())
+}
+
+/// The `--split auto` candidates for an `layers`-layer model: `--candidates` (sorted, without
+/// repeats), else the default spread; each must be a valid split.
+fn candidate_splits(auto: &AutoSplit, layers: usize) -> Result<Vec<usize>> {
+    let mut c = if auto.candidates.is_empty() {
+        default_split_candidates(layers)
+    } else {
+        auto.candidates.clone()
+    };
+    c.sort_unstable();
+    c.dedup();
+    if let Some(s) = c.iter().find(|&&s| s == 0 || s >= layers) {
+        bail!(
+            "--candidates: split {s} is out of range for a {layers}-layer model (need 0 < split < \
+             {layers})"
+        );
+    }
+    if c.is_empty() {
+        bail!("--split auto: a {layers}-layer model has no split to try");
+    }
+    Ok(c)
+}
+
+/// Fits and measures every candidate, printing each as it is measured and the table at the end
+/// (also when none is within the budget).
+fn search(
+    model: &ridgefill::model::Llama,
+    stats: &[StatsFile],
+    heldout_windows: &[Vec<u32>],
+    opts: &FitOptions,
+    budget: SplitBudget,
+) -> Result<FillFile> {
+    let res = fit_fill_split_search(
+        model,
+        stats,
+        heldout_windows,
+        opts,
+        budget,
+        &interrupt::requested,
+        &mut |e| match e {
+            SplitEvent::Start {
+                split,
+                index,
+                count,
+            } => eprintln!(
+                "split search {}/{count}: split {split} (fit and held-out measurement)",
+                index + 1
+            ),
+            SplitEvent::Trial(t) => eprintln!(
+                "  split {}: held-out KL {:.5} | top-1 {:.3} | FLOPs {:.3}x full",
+                t.split, t.kl, t.top1, t.flops_ratio
+            ),
+            SplitEvent::Failed { split, error } => {
+                eprintln!("  split {split}: no usable fit ({error})")
+            }
+        },
+    );
+    match res {
+        Ok(file) => {
+            print_search(&file.meta.split_search, budget, Some(file.meta.split));
+            Ok(file)
+        }
+        Err(FitError::NoSplitWithinBudget { budget, trials }) => {
+            print_search(&trials, budget, None);
+            Err(FitError::NoSplitWithinBudget { budget, trials }.into())
+        }
+        Err(e) => Err(fit_error(e)),
+    }
+}
+
+/// The candidates as a table on stderr, the chosen one marked.
+fn print_search(trials: &[SplitTrial], budget: SplitBudget, chosen: Option<usize>) {
+    eprintln!(
+        "split search (budget: held-out KL <= {}, top-1 >= {}):",
+        budget.max_kl, budget.min_top1
+    );
+    eprintln!("  split  held-out KL  top-1  FLOPs/full");
+    for t in trials {
+        let mark = if Some(t.split) == chosen {
+            "  <- chosen"
+        } else if budget.admits(t) {
+            "  (within budget)"
+        } else {
+            ""
+        };
+        eprintln!(
+            "  {:>5}  {:>11.5}  {:>5.3}  {:>10.3}{mark}",
+            t.split, t.kl, t.top1, t.flops_ratio
+        );
+    }
+}
+
+/// The fit's method and its budget: each flag, else the shipped default.
+pub fn fit_options(rows: &RowArgs, alpha: AlphaChoice) -> FitOptions {
+    use ridgefill::model::fill::{
+        DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, DEFAULT_SPAN_RADIUS, FillMethod, FillRows,
+    };
+    FitOptions {
+        alpha,
+        rows: FillRows {
+            sink: rows.sink,
+            tail: rows.tail,
+            exact: rows.exact.unwrap_or(DEFAULT_EXACT),
+            span: rows.span.unwrap_or(DEFAULT_SPAN_RADIUS),
+        },
+        method: rows.method.unwrap_or(FillMethod::DEFAULT),
+        adapt_weight: rows.adapt_weight.unwrap_or(DEFAULT_ADAPT_WEIGHT),
+        created_by: format!("ridgefill {}", env!("CARGO_PKG_VERSION")),
+    }
 }

@@ -57,8 +57,8 @@ pub struct Args {
     pub rows: RowArgs,
 }
 
-/// Which prompt rows run every layer under skip-and-fill.
-#[derive(clap::Args, Clone, Copy, Debug)]
+/// Which prompt rows run every layer under skip-and-fill, and how the fill file is applied.
+#[derive(clap::Args, Clone, Debug)]
 pub struct RowArgs {
     /// Last prompt tokens computed exactly (skip-and-fill).
     #[arg(long, default_value_t = 16)]
@@ -66,11 +66,57 @@ pub struct RowArgs {
     /// First prompt tokens computed exactly: the attention sink (skip-and-fill).
     #[arg(long, default_value_t = 1)]
     pub sink: usize,
+    /// How the fill runs: `ridge` (maps only), `spans` (plus query-chosen exact spans),
+    /// `spans-adapt` (plus the per-prompt map update); default: what the fill file records.
+    #[arg(long, value_parser = parse_method)]
+    pub method: Option<ridgefill::model::fill::FillMethod>,
+    /// Share of the prompt's rows run exactly in query-chosen spans (default: the fill file's).
+    #[arg(long, value_parser = parse_share)]
+    pub exact: Option<f64>,
+    /// Half-width in tokens of each exact span (default: the fill file's).
+    #[arg(long)]
+    pub span: Option<usize>,
+    /// Weight of one exact row against one calibration row in the per-prompt update.
+    #[arg(long, value_parser = parse_weight)]
+    pub adapt_weight: Option<f64>,
+}
+
+pub fn parse_method(s: &str) -> std::result::Result<ridgefill::model::fill::FillMethod, String> {
+    ridgefill::model::fill::FillMethod::parse(s)
+        .ok_or_else(|| format!("expected ridge, spans or spans-adapt, found {s:?}"))
+}
+
+pub fn parse_share(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("expected a share between 0 and 1, found {s:?}")),
+    }
+}
+
+fn parse_weight(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("expected a positive number, found {s:?}")),
+    }
 }
 
 impl RowArgs {
+    /// The rows of plain ridge fill (no fill file's method involved).
     pub fn rows(&self) -> ridgefill::model::fill::FillRows {
         ridgefill::model::fill::FillRows {
+            sink: self.sink,
+            tail: self.tail,
+            ..Default::default()
+        }
+    }
+
+    /// The run-time choices, for [`ridgefill::fillfile::configure`].
+    pub fn choice(&self) -> ridgefill::fillfile::MethodChoice {
+        ridgefill::fillfile::MethodChoice {
+            method: self.method,
+            exact: self.exact,
+            span: self.span,
+            adapt_weight: self.adapt_weight,
             sink: self.sink,
             tail: self.tail,
         }
@@ -205,7 +251,12 @@ pub fn run(a: Args) -> Result<()> {
 
     let model = &loaded.model;
     let maps = match &a.fill {
-        Some(path) => Some(ridgefill::fillfile::load_maps(path, &loaded.ckpt, model)?.1),
+        Some(path) => {
+            let (file, maps) = ridgefill::fillfile::load_maps(path, &loaded.ckpt, model)?;
+            let (method, maps, rows) =
+                ridgefill::fillfile::configure(&file, &maps, &a.rows.choice())?;
+            Some((method, maps, rows))
+        }
         None => None,
     };
     let mut cache = model.new_cache(ids.len() + a.n_predict);
@@ -222,7 +273,7 @@ pub fn run(a: Args) -> Result<()> {
 
     let t0 = Instant::now();
     let logits = match &maps {
-        Some(maps) => model.prefill_fill(&ids, &mut cache, maps, a.rows.rows())?,
+        Some((_, maps, rows)) => model.prefill_fill(&ids, &mut cache, maps, *rows)?,
         None => model.prefill(&ids, &mut cache)?,
     };
     let logits = to_host_f32(logits);
@@ -261,7 +312,7 @@ pub fn run(a: Args) -> Result<()> {
     let decode_s = t1.elapsed().as_secs_f64();
     let n = ids.len();
     let mode = match &maps {
-        Some(m) => format!("fill s={}", m.split),
+        Some((method, m, rows)) => format!("fill s={} {method} exact {}", m.split, rows.exact),
         None => "full".to_string(),
     };
     eprintln!(

@@ -72,6 +72,7 @@ fn run_device(
         let rows = FillRows {
             sink: 1,
             tail: FILL_TAIL,
+            ..FillRows::default()
         };
         Some(to_host_f32(m.prefill_fill(ids, &mut cache, &maps, rows)?))
     } else {

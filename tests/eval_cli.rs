@@ -1,0 +1,202 @@
+//! `ridgefill eval` end to end on the tiny model: text mode reports every method with its FLOPs,
+//! the retrieval tasks report one self-contained row per task × length × method, and lengths
+//! beyond the context are typed errors.
+
+#[path = "../crates/ridgefill-io/tests/common/mod.rs"]
+mod tiny;
+
+use std::path::Path;
+use std::process::Command;
+
+/// The tiny model's context here: its fixture's is too short for a haystack around the facts.
+const CONTEXT: usize = 512;
+/// Positions `eval` keeps free after a retrieval prompt (its greedy answer tokens).
+const ANSWER_TOKENS: usize = 8;
+/// Prompt lengths: the longest fact-and-question text (`multi`) takes about 250 tokens, and the
+/// longest length fills the context exactly.
+const LENGTHS: [usize; 2] = [280, CONTEXT - ANSWER_TOKENS];
+const METHODS: [&str; 6] = ["full", "fill", "ridge", "spans", "drop", "own-proj"];
+const TASKS: [&str; 4] = ["passkey", "passkey-first", "prose", "multi"];
+
+fn ridgefill(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
+        .args(args)
+        .env("CUBECL_AUTOTUNE_LEVEL", "minimal")
+        .output()
+        .expect("run ridgefill");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr,
+    )
+}
+
+/// The tiny model as a HF directory with a `CONTEXT` context, prose, and a fill file fitted on
+/// that prose (split 1).
+struct Setup {
+    _dir: tempfile::TempDir,
+    model: String,
+    prose: String,
+    fill: String,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    tiny::write_hf_dir(&tiny::tiny(), &model, &tiny::Faults::default());
+    let mut config = tiny::config_json();
+    config["max_position_embeddings"] = CONTEXT.into();
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    let prose = dir.path().join("prose");
+    std::fs::create_dir(&prose).unwrap();
+    for i in 0..3 {
+        std::fs::write(prose.join(format!("doc{i}.txt")), tiny::words(800, i + 1)).unwrap();
+    }
+    let fill = dir.path().join("tiny.fill");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (ok, _, stderr) = ridgefill(&[
+        "fit",
+        "-m",
+        &s(&model),
+        "--device",
+        "cpu",
+        "--calib",
+        &s(&prose),
+        "--split",
+        "1",
+        "--ctx",
+        "32",
+        "--alpha",
+        "1e-3",
+        "-o",
+        &s(&fill),
+    ]);
+    assert!(ok, "fit: {stderr}");
+    Setup {
+        model: s(&model),
+        prose: s(&prose),
+        fill: s(&fill),
+        _dir: dir,
+    }
+}
+
+fn eval(s: &Setup, extra: &[&str]) -> (bool, String, String) {
+    let mut args = vec![
+        "eval", "-m", &s.model, "--device", "cpu", "--fill", &s.fill, "--tail", "4",
+    ];
+    args.extend_from_slice(extra);
+    ridgefill(&args)
+}
+
+fn num(v: &serde_json::Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+#[test]
+fn eval_text_and_retrieval_report_every_method() {
+    let s = setup();
+    let methods = METHODS.join(",");
+
+    // Text mode: every method, `fill` named, FLOPs relative to full.
+    let (ok, stdout, stderr) = eval(
+        &s,
+        &[
+            "--text",
+            &s.prose,
+            "--prefix",
+            "48",
+            "--cont",
+            "8",
+            "--max-windows",
+            "2",
+            "--methods",
+            &methods,
+            "--json",
+        ],
+    );
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(v["fill_method"]["name"].is_string(), "{v}");
+    for m in METHODS {
+        let r = &v["methods"][m];
+        for key in ["nll", "kl", "top1", "exact", "flops_ratio"] {
+            assert!(num(r, key).is_finite(), "{m}.{key} in {v}");
+        }
+    }
+    assert_eq!(num(&v["methods"]["full"], "flops_ratio"), 1.0);
+    assert_eq!(num(&v["methods"]["full"], "kl"), 0.0);
+    assert_eq!(num(&v["methods"]["ridge"], "exact"), 0.0);
+    assert!(num(&v["methods"]["drop"], "flops_ratio") < 1.0, "{v}");
+
+    // Retrieval: one row per task × length × method, with the run's settings in each.
+    let lengths: Vec<String> = LENGTHS.iter().map(usize::to_string).collect();
+    let (ok, stdout, stderr) = eval(
+        &s,
+        &[
+            "--task",
+            &TASKS.join(","),
+            "--lengths",
+            &lengths.join(","),
+            "--text",
+            &s.prose,
+            "--methods",
+            &methods,
+            "--json",
+        ],
+    );
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let rows = v["results"].as_array().expect("results");
+    assert_eq!(rows.len(), TASKS.len() * LENGTHS.len() * METHODS.len());
+    for r in rows {
+        for key in ["accuracy", "key_nll", "flops_ratio", "exact", "fill_exact"] {
+            assert!(num(r, key).is_finite(), "{key} in {r}");
+        }
+        assert!((0.0..=1.0).contains(&num(r, "accuracy")), "{r}");
+        assert!(num(r, "key_nll") > 0.0, "{r}");
+        assert_eq!(r["split"], 1, "{r}");
+        assert_eq!(r["tail"], 4, "{r}");
+        assert_eq!(r["sink"], 1, "{r}");
+        assert_eq!(r["fill_method"], v["fill_method"], "{r}");
+        assert!(TASKS.contains(&r["task"].as_str().unwrap()), "{r}");
+        assert!(METHODS.contains(&r["method"].as_str().unwrap()), "{r}");
+        if r["method"] == "full" {
+            // Full against itself: 1.0, or undefined when it gets nothing right.
+            match r["relative_accuracy"].as_f64() {
+                Some(rel) => assert_eq!(rel, 1.0, "{r}"),
+                None => assert_eq!(num(r, "accuracy"), 0.0, "{r}"),
+            }
+            assert_eq!(num(r, "flops_ratio"), 1.0, "{r}");
+        }
+    }
+
+    // `--passkey` is `--task passkey`, with full first even when not listed.
+    let (ok, stdout, stderr) = eval(&s, &["--passkey", "--lengths", "200", "--methods", "drop"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("| passkey | 200 | full |"), "{stdout}");
+    assert!(stdout.contains("| passkey | 200 | drop |"), "{stdout}");
+}
+
+#[test]
+fn eval_refuses_lengths_it_cannot_run() {
+    let s = setup();
+    let too_long = (CONTEXT - ANSWER_TOKENS + 1).to_string();
+    let (ok, _, stderr) = eval(&s, &["--passkey", "--lengths", &too_long]);
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!("the model's context is {CONTEXT}")),
+        "{stderr}"
+    );
+    // Too short for the fact and question alone.
+    let (ok, _, stderr) = eval(
+        &s,
+        &["--task", "multi", "--lengths", "64", "--text", &s.prose],
+    );
+    assert!(!ok);
+    assert!(stderr.contains("raise --lengths"), "{stderr}");
+    let (ok, _, stderr) = eval(&s, &["--task", "riddle"]);
+    assert!(!ok);
+    assert!(stderr.contains("riddle"), "{stderr}");
+}
