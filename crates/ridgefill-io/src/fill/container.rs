@@ -446,22 +446,7 @@ fn build_header(path: &Path, key: &str, json: String, tensors: &[OutTensor]) -> 
 /// Reads `format_version` from a metadata object before the rest is parsed, so a newer file
 /// gets a version error rather than a schema error.
 pub(crate) fn check_version(path: &Path, key: &str, json: &Value, supported: u32) -> Result<()> {
-    let field = format!("{key}.format_version");
-    let v = json
-        .get("format_version")
-        .ok_or_else(|| IoError::MissingMetadata {
-            path: path.to_path_buf(),
-            key: field.clone(),
-        })?;
-    if v.as_u64() != Some(u64::from(supported)) {
-        return Err(IoError::BadMetadata {
-            path: path.to_path_buf(),
-            key: field,
-            expected: supported.to_string(),
-            found: v.to_string(),
-        });
-    }
-    Ok(())
+    check_versions(path, key, json, &[supported]).map(|_| ())
 }
 
 /// Checks `format_version` is one of `supported` (before the rest is parsed) and returns it.
