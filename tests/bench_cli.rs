@@ -223,6 +223,34 @@ fn bench_refuses_nonsense() {
     let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-p", "0", "-n", "0"]);
     assert!(!ok);
     assert!(stderr.contains("nothing to measure"), "{stderr}");
+    // The fill-method flags (the same parsers serve generate, eval and fit).
+    for (flag, value, want) in [
+        (
+            "--method",
+            "lasso",
+            "expected ridge, spans or spans-adapt, found \"lasso\"",
+        ),
+        (
+            "--exact",
+            "1.5",
+            "expected a share between 0 and 1, found \"1.5\"",
+        ),
+        (
+            "--exact",
+            "x",
+            "expected a share between 0 and 1, found \"x\"",
+        ),
+    ] {
+        let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, flag, value]);
+        assert!(!ok, "{flag} {value}");
+        assert!(stderr.contains(want), "{flag} {value}: {stderr}");
+    }
+    let (ok, _, stderr) = ridgefill(&["generate", "-p", "x", "--adapt-weight", "0"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("expected a positive number, found \"0\""),
+        "{stderr}"
+    );
     let (ok, _, stderr) = ridgefill(&["parity", "-m", &model, "--device", "cpu"]);
     assert!(!ok);
     assert!(

@@ -317,6 +317,37 @@ fn wrong_format_version() {
 }
 
 #[test]
+fn bad_method_fields_name_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            json!({"name": "lasso", "exact": 0.05, "span_radius": 8, "adapt_weight": 0.0}),
+            "ridgefill.method.name",
+        ),
+        (
+            json!({"name": "spans", "exact": 1.5, "span_radius": 8, "adapt_weight": 0.0}),
+            "ridgefill.method.exact",
+        ),
+        (
+            json!({"name": "spans", "exact": 0.05, "span_radius": 8, "adapt_weight": -1.0}),
+            "ridgefill.method.adapt_weight",
+        ),
+        // spans-adapt needs the precision matrix, which these tensors lack.
+        (
+            json!({"name": "spans-adapt", "exact": 0.05, "span_radius": 8, "adapt_weight": 100.0}),
+            "fill.precision",
+        ),
+    ];
+    for (method, needle) in cases {
+        let mut m = meta_json();
+        m["format_version"] = json!(2);
+        m["method"] = method;
+        let (path, err) = read_err(dir.path(), Some(m), &good_tensors());
+        assert_names(&err, &path, &[needle]);
+    }
+}
+
+#[test]
 fn wrong_feature_kind() {
     let dir = tempfile::tempdir().unwrap();
     let mut m = meta_json();
