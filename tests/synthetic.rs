@@ -7,7 +7,7 @@ mod common;
 mod tiny;
 
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::fill::{FillMaps, FillRows};
+use ridgefill::model::fill::{FillMaps, FillRows, Oracle};
 use ridgefill::model::llama::Llama;
 use ridgefill::model::{Device, FloatDType, to_host_f32};
 
@@ -537,6 +537,43 @@ fn exact_pass_over_every_row_equals_full_prefill() {
             );
         }
     }
+}
+
+/// The diagnosis oracle: restoring every filled K and V from full prefill's cache makes plain
+/// fill equal full prefill; restoring the keys alone does not (the values stay the random maps').
+#[test]
+fn oracle_restoring_every_filled_slot_equals_full_prefill() {
+    common::init();
+    const N: usize = 40;
+    const SPLIT: usize = 2;
+    let model = gqa_model(4, true);
+    let ids = prompt(N, model.config.vocab_size);
+    let mut truth = model.new_cache(N);
+    let full = to_host_f32(model.prefill(&ids, &mut truth).unwrap());
+    let maps = random_maps(&model, SPLIT, 5);
+    let rows = spans_rows(4, 0.0, 0);
+    let bulk = rows.bulk(N).unwrap();
+    let run = |keys: bool, values: bool| {
+        let oracle = Oracle {
+            truth: &truth,
+            layers: SPLIT..model.num_layers(),
+            keys,
+            values,
+            rows: vec![bulk.clone()],
+        };
+        let (logits, spans) = model
+            .prefill_oracle(&ids, &mut model.new_cache(N), &maps, rows, &oracle)
+            .unwrap();
+        assert!(spans.is_empty());
+        common::max_abs_diff(&full, &to_host_f32(logits))
+    };
+    let all = run(true, true);
+    assert!(all < 1e-4, "every slot restored: max |Δ| {all}");
+    let keys = run(true, false);
+    assert!(
+        keys > 1e-2,
+        "keys alone restored: max |Δ| {keys}, expected a visible difference"
+    );
 }
 
 /// A token whose key the tail's queries match in the last lower layer (built into the weights)

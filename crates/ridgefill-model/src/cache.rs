@@ -7,6 +7,8 @@
 use burn::tensor::{Device, FloatDType, Tensor, s};
 
 /// K/V for every layer, shape `[1, kv_heads, capacity, head_dim]`, slots `..lens[l]` valid.
+/// A clone shares storage until either side writes (writes copy a shared buffer).
+#[derive(Clone)]
 pub struct KvCache {
     pub k: Vec<Tensor<4>>,
     pub v: Vec<Tensor<4>>,

@@ -48,11 +48,50 @@ impl Llama {
         cache: &mut crate::KvCache,
         method: Method,
     ) -> Result<Tensor<1>> {
+        Ok(self.prefill_with_spans(tokens, cache, method)?.0)
+    }
+
+    /// [`Llama::prefill_with`], also returning the bulk spans that ran exactly (none unless
+    /// `method` fills with chosen spans).
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[vocab]`
+    pub fn prefill_with_spans(
+        &self,
+        tokens: &[u32],
+        cache: &mut crate::KvCache,
+        method: Method,
+    ) -> Result<(Tensor<1>, Vec<std::ops::Range<usize>>)> {
         match method {
-            Method::Full => self.prefill(tokens, cache),
-            Method::Fill(maps, rows) => self.prefill_fill(tokens, cache, maps, rows),
-            Method::Drop(split, rows) => self.prefill_skip(tokens, cache, split, None, rows),
+            Method::Full => Ok((self.prefill(tokens, cache)?, Vec::new())),
+            Method::Fill(maps, rows) => self.prefill_fill_spans(tokens, cache, maps, rows),
+            Method::Drop(split, rows) => Ok((
+                self.prefill_skip(tokens, cache, split, None, rows)?,
+                Vec::new(),
+            )),
         }
+    }
+
+    /// Log-probabilities predicting each continuation token, continuing a `cache` prefilled
+    /// with the prompt whose last-position logits are `last`.
+    ///
+    /// # Shapes
+    /// - last: `[vocab]`, cont: `[c]` → `[c, vocab]`
+    pub fn continue_logp(
+        &self,
+        last: Tensor<1>,
+        cont: &[u32],
+        cache: &mut crate::KvCache,
+    ) -> Result<Tensor<2>> {
+        let vocab = self.config.vocab_size;
+        let mut parts = vec![last.reshape([1, vocab])];
+        if cont.len() > 1 {
+            parts.push(self.forward_all_logits(&cont[..cont.len() - 1], cache)?);
+        }
+        Ok(activation::log_softmax(
+            Tensor::cat(parts, 0).cast(FloatDType::F32),
+            1,
+        ))
     }
 
     /// Log-probabilities predicting each continuation token after prefilling `prefix` by `method`.
@@ -66,22 +105,8 @@ impl Llama {
         method: Method,
     ) -> Result<Tensor<2>> {
         let mut cache = self.new_cache(prefix.len() + cont.len());
-        let last = match method {
-            Method::Full => self.prefill(prefix, &mut cache)?,
-            Method::Fill(maps, rows) => self.prefill_fill(prefix, &mut cache, maps, rows)?,
-            Method::Drop(split, rows) => {
-                self.prefill_skip(prefix, &mut cache, split, None, rows)?
-            }
-        };
-        let vocab = self.config.vocab_size;
-        let mut parts = vec![last.reshape([1, vocab])];
-        if cont.len() > 1 {
-            parts.push(self.forward_all_logits(&cont[..cont.len() - 1], &mut cache)?);
-        }
-        Ok(activation::log_softmax(
-            Tensor::cat(parts, 0).cast(FloatDType::F32),
-            1,
-        ))
+        let last = self.prefill_with(prefix, &mut cache, method)?;
+        self.continue_logp(last, cont, &mut cache)
     }
 
     /// NLL of `cont`, KL(reference ‖ method) and top-1 agreement, on the host.

@@ -9,6 +9,47 @@ use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
 use crate::llama::{At, Llama};
 
+/// Filled K/V that a diagnosis run replaces with the full model's (exact ones stay computed).
+pub struct Oracle<'a> {
+    /// The cache of a full prefill of the same prompt.
+    pub truth: &'a KvCache,
+    /// Upper layers restored.
+    pub layers: Range<usize>,
+    pub keys: bool,
+    pub values: bool,
+    /// Positions restored.
+    pub rows: Vec<Range<usize>>,
+}
+
+impl Oracle<'_> {
+    /// Overwrites layer `l`'s filled slots at `rows` with the truth, when `l` is restored.
+    fn restore(&self, l: usize, cache: &mut KvCache) -> Result<()> {
+        if !self.layers.contains(&l) {
+            return Ok(());
+        }
+        let (tk, tv) = self.truth.read(l);
+        let (fk, fv) = cache.read(l);
+        for r in &self.rows {
+            if r.end > tk.dims()[2] || r.end > fk.dims()[2] {
+                return Err(ModelError::Invalid(format!(
+                    "oracle rows {r:?} beyond the cache in layer {l}"
+                )));
+            }
+            let pick = |t: &Tensor<4>, f: &Tensor<4>, truth: bool| {
+                let src = if truth { t } else { f };
+                src.clone().narrow(2, r.start, r.len())
+            };
+            cache.overwrite(
+                l,
+                r.start,
+                pick(&tk, &fk, self.keys),
+                pick(&tv, &fv, self.values),
+            );
+        }
+        Ok(())
+    }
+}
+
 /// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM.
 pub struct FillMaps {
     /// First skipped layer.
@@ -162,27 +203,41 @@ impl FillRows {
     }
 }
 
-/// Spans of `2·radius + 1` rows inside `bulk` around the `count` best-scoring rows, best first,
-/// a row inside an already chosen span never starting another; returned sorted and merged.
+/// Exact rows inside `bulk`, at most `budget` of them: windows of `2·radius + 1` rows around
+/// the best-scoring rows, best first, each window adding the rows it does not share with earlier
+/// ones; a window that would overrun the budget is passed over. Neighbouring high scores thus
+/// widen one span, so a fact sentence the query matches is covered whole, including the words
+/// after the match that hold the answer. Returned sorted and merged.
 pub fn choose_spans(
     scores: &[f32],
     bulk: Range<usize>,
-    count: usize,
+    budget: usize,
     radius: usize,
 ) -> Vec<Range<usize>> {
+    let budget = budget.min(bulk.len());
     let mut order: Vec<usize> = bulk.clone().collect();
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-    let mut spans: Vec<Range<usize>> = Vec::with_capacity(count);
+    let mut chosen = vec![false; bulk.len()];
+    let mut used = 0;
     for p in order {
-        if spans.len() == count {
+        if used == budget {
             break;
         }
-        if spans.iter().any(|s| s.contains(&p)) {
+        let window = p.saturating_sub(radius).max(bulk.start)..(p + radius + 1).min(bulk.end);
+        let fresh = window.clone().filter(|&i| !chosen[i - bulk.start]).count();
+        if fresh == 0 || used + fresh > budget {
             continue;
         }
-        spans.push(p.saturating_sub(radius).max(bulk.start)..(p + radius + 1).min(bulk.end));
+        window.for_each(|i| chosen[i - bulk.start] = true);
+        used += fresh;
     }
-    merge(spans)
+    let runs = chosen
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c)
+        .map(|(i, _)| bulk.start + i..bulk.start + i + 1)
+        .collect();
+    merge(runs)
 }
 
 /// Sorts ranges and merges those that overlap or touch.
@@ -432,7 +487,23 @@ impl Llama {
         maps: &FillMaps,
         rows: FillRows,
     ) -> Result<(Tensor<1>, Vec<Range<usize>>)> {
-        self.prefill_skip_spans(tokens, cache, maps.split, Some(maps), rows)
+        self.prefill_skip_spans(tokens, cache, maps.split, Some(maps), rows, None)
+    }
+
+    /// [`Llama::prefill_fill_spans`] with some filled K/V replaced by the full model's before the
+    /// exact rows read them: a diagnosis of which part of the fill loses what.
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → `[vocab]`
+    pub fn prefill_oracle(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        maps: &FillMaps,
+        rows: FillRows,
+        oracle: &Oracle,
+    ) -> Result<(Tensor<1>, Vec<Range<usize>>)> {
+        self.prefill_skip_spans(tokens, cache, maps.split, Some(maps), rows, Some(oracle))
     }
 
     /// Skips layers `split..L` for the bulk rows; `maps` fills their K/V, or with `None` the upper
@@ -448,7 +519,9 @@ impl Llama {
         maps: Option<&FillMaps>,
         rows: FillRows,
     ) -> Result<Tensor<1>> {
-        Ok(self.prefill_skip_spans(tokens, cache, split, maps, rows)?.0)
+        Ok(self
+            .prefill_skip_spans(tokens, cache, split, maps, rows, None)?
+            .0)
     }
 
     fn prefill_skip_spans(
@@ -458,6 +531,7 @@ impl Llama {
         split: usize,
         maps: Option<&FillMaps>,
         rows: FillRows,
+        oracle: Option<&Oracle>,
     ) -> Result<(Tensor<1>, Vec<Range<usize>>)> {
         if !cache.is_empty() {
             return Err(ModelError::Invalid(
@@ -484,7 +558,7 @@ impl Llama {
                 let spans = if rows.span_count(n) > 0 {
                     let tail = h_in.narrow(0, bulk.end, n - bulk.end);
                     let scores = self.tail_scores(scored, tail, cache, bulk.end)?;
-                    choose_spans(&scores, bulk.clone(), rows.span_count(n), rows.span)
+                    choose_spans(&scores, bulk.clone(), rows.exact_rows(n), rows.span)
                 } else {
                     Vec::new()
                 };
@@ -493,7 +567,7 @@ impl Llama {
                     .chain(bulk.end..n)
                     .collect();
                 chosen = spans;
-                self.exact_pass(maps, h_split, &exact, bulk.start, cache)?
+                self.exact_pass(maps, h_split, &exact, bulk.start, cache, oracle)?
             }
             None => {
                 let h = self.forward_layers(h, 0..split, cache, 0)?;
@@ -579,6 +653,7 @@ impl Llama {
         exact: &[usize],
         sink: usize,
         cache: &mut KvCache,
+        oracle: Option<&Oracle>,
     ) -> Result<Tensor<2>> {
         let n = h_split.dims()[0];
         let layers = self.num_layers();
@@ -617,6 +692,9 @@ impl Llama {
             let y = self.linear(x_all.clone(), &w);
             let (k, v) = self.split_fill(y, 1, n, 0);
             cache.append(l, k, v);
+            if let Some(o) = oracle {
+                o.restore(l, cache)?;
+            }
             let (next, _) = self.block_qkv(l, h, qkv, cache, At::Rows(exact));
             h = next;
         }
@@ -656,17 +734,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn spans_centre_on_the_best_rows_and_merge() {
+    fn spans_grow_around_the_best_rows_within_the_budget() {
         let mut scores = vec![0.0f32; 100];
         scores[50] = 9.0;
-        scores[52] = 8.0; // inside the first span: never a span of its own
+        scores[52] = 8.0; // near the first: widens its span by two rows
         scores[90] = 7.0;
-        scores[3] = 6.0;
-        let spans = choose_spans(&scores, 1..96, 3, 4);
-        assert_eq!(spans, vec![1..8, 46..55, 86..95]);
-        // Two touching spans merge; a span is clipped to the bulk.
-        let spans = choose_spans(&scores, 1..93, 2, 20);
-        assert_eq!(spans, vec![30..93]);
+        scores[3] = 6.0; // its window is clipped to the bulk
+        let spans = choose_spans(&scores, 1..96, 3 * 9, 4);
+        assert_eq!(spans, vec![1..8, 46..57, 86..95]);
+        // A window that would overrun the budget is passed over; smaller ones still fit.
+        let spans = choose_spans(&scores, 1..96, 9 + 2, 4);
+        assert_eq!(spans, vec![46..57]);
+    }
+
+    #[test]
+    fn a_matched_sentence_is_covered_to_its_end() {
+        // The query matches a sentence's first words best; the answer sits after them.
+        let mut scores: Vec<f32> = (0..400).map(|i| ((i * 37 % 101) as f32) * 1e-3).collect();
+        for (k, i) in (200..209).enumerate() {
+            scores[i] = 1.0 - 0.05 * k as f32;
+        }
+        // A fixed ±8 window around row 200 would end at 208.
+        let answer = 209..214;
+        let spans = choose_spans(&scores, 1..384, 5 * 17, 8);
+        assert!(
+            answer.clone().all(|i| spans.iter().any(|s| s.contains(&i))),
+            "{spans:?}"
+        );
+        let rows: usize = spans.iter().map(|s| s.len()).sum();
+        assert!(rows <= 5 * 17, "{rows} rows");
     }
 
     #[test]
