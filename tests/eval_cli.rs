@@ -162,6 +162,21 @@ fn eval_text_and_retrieval_report_every_method() {
         assert_eq!(r["fill_method"], v["fill_method"], "{r}");
         assert!(TASKS.contains(&r["task"].as_str().unwrap()), "{r}");
         assert!(METHODS.contains(&r["method"].as_str().unwrap()), "{r}");
+        // One answer per question; whether the key ran exactly only where spans are chosen.
+        let answers = r["answers"].as_array().expect("answers");
+        assert_eq!(answers.len() as f64, num(r, "queries"), "{r}");
+        let hits = answers.iter().filter(|a| a["hit"] == true).count();
+        assert_eq!(
+            hits as f64 / answers.len() as f64,
+            num(r, "accuracy"),
+            "{r}"
+        );
+        for a in answers {
+            assert!(a["answer"].is_string() && num(a, "depth") > 0.0, "{a}");
+        }
+        let spans = ["fill", "spans"].contains(&r["method"].as_str().unwrap());
+        assert_eq!(r["key_covered"].is_number(), spans, "{r}");
+        assert_eq!(answers[0]["key_covered"].is_boolean(), spans, "{r}");
         if r["method"] == "full" {
             // Full against itself: 1.0, or undefined when it gets nothing right.
             match r["relative_accuracy"].as_f64() {
@@ -171,6 +186,39 @@ fn eval_text_and_retrieval_report_every_method() {
             assert_eq!(num(r, "flops_ratio"), 1.0, "{r}");
         }
     }
+
+    // The oracle: plain ridge, then restored parts; restoring everything gives full's key NLL.
+    let at = |method: &str| {
+        rows.iter()
+            .find(|r| r["task"] == "passkey" && r["length"] == LENGTHS[0] && r["method"] == method)
+            .map(|r| num(r, "key_nll"))
+            .unwrap()
+    };
+    let (ok, stdout, stderr) = eval(
+        &s,
+        &[
+            "--task",
+            "passkey",
+            "--lengths",
+            &lengths[0],
+            "--oracle",
+            "--json",
+        ],
+    );
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let oracle = v["results"].as_array().expect("results");
+    // Ridge, all, keys, values, the key's rows, then each upper layer (split 1).
+    assert_eq!(oracle.len(), 5 + tiny::LAYERS - 1, "{v}");
+    let restored = |name: &str| {
+        oracle
+            .iter()
+            .find(|r| r["restored"] == name)
+            .map(|r| num(r, "key_nll"))
+            .unwrap_or_else(|| panic!("{name} in {v}"))
+    };
+    assert!((restored("ridge") - at("ridge")).abs() < 1e-4, "{v}");
+    assert!((restored("true K+V") - at("full")).abs() < 1e-3, "{v}");
 
     // `--passkey` is `--task passkey`, with full first even when not listed.
     let (ok, stdout, stderr) = eval(&s, &["--passkey", "--lengths", "200", "--methods", "drop"]);

@@ -45,6 +45,11 @@ pub struct Args {
     /// Passkey retrieval: the same as `--task passkey`.
     #[arg(long)]
     pub passkey: bool,
+    /// Diagnosis of the retrieval tasks instead of methods: plain ridge fill with parts of the
+    /// filled K/V replaced by full prefill's (all, keys only, values only, the key's rows only,
+    /// each upper layer alone).
+    #[arg(long, requires = "task")]
+    pub oracle: bool,
     /// Prompt lengths (tokens) for the retrieval tasks, up to the model's context.
     #[arg(long, value_delimiter = ',', default_value = "512,1024,2048,4096")]
     pub lengths: Vec<usize>,
@@ -80,9 +85,14 @@ impl Args {
         tasks
     }
 
-    /// The methods to run: `full` first (the reference), then the others in the order given.
+    /// The methods to run: `full` first (the reference), then the others in the order given;
+    /// an oracle run needs plain ridge only.
     fn method_list(&self) -> Vec<EvalMethod> {
         let mut list = vec![EvalMethod::Full];
+        if self.oracle {
+            list.push(EvalMethod::Ridge);
+            return list;
+        }
         for &m in &self.methods {
             if !list.contains(&m) {
                 list.push(m);
@@ -133,6 +143,11 @@ pub struct Runner {
 impl Runner {
     pub fn name(&self) -> &'static str {
         self.method.name()
+    }
+
+    /// The fill maps, for a method that fills.
+    pub fn maps(&self) -> Option<&FillMaps> {
+        self.maps.as_ref()
     }
 
     /// The engine's view of this method.
@@ -334,7 +349,11 @@ pub fn run(a: Args) -> Result<()> {
             lengths: &a.lengths,
             prose: prose.as_ref(),
         };
-        retrieval::run(&loaded, &runners, &spec, &header, a.json)
+        if a.oracle {
+            retrieval::run_oracle(&loaded, &runners[1], &spec, &header, a.json)
+        } else {
+            retrieval::run(&loaded, &runners, &spec, &header, a.json)
+        }
     }
 }
 

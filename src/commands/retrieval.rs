@@ -3,13 +3,16 @@
 //! scored by whether its greedy answer contains the key, and by the teacher-forced NLL of the
 //! key's digits (graded where accuracy is all or nothing).
 
+use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::Result;
 use ridgefill::interrupt;
 use ridgefill::io::text::collect_documents;
 use ridgefill::io::tokenizer::Tokenizer;
+use ridgefill::model::KvCache;
 use ridgefill::model::eval::Method;
+use ridgefill::model::fill::{FillRows, Oracle};
 use ridgefill::model::{Llama, sample, to_host_f32};
 use ridgefill::session::Loaded;
 
@@ -274,10 +277,20 @@ struct Query {
     /// Indices into `cont` of the tokens holding the key's digits.
     digits: Vec<usize>,
     key: String,
+    /// Relative depth of the asked fact in the haystack.
+    depth: f64,
+    /// Start positions in `prompt` of the key's digit tokens, wherever the prompt holds them.
+    planted: Vec<usize>,
 }
 
 impl Query {
-    fn new(tok: &Tokenizer, task: Task, length: usize, layout: &Layout, key: u32) -> Result<Self> {
+    fn new(
+        tok: &Tokenizer,
+        task: Task,
+        length: usize,
+        layout: &Layout,
+        (depth, key): (f64, u32),
+    ) -> Result<Self> {
         let (text, prompt) = layout.fit(tok, task, length)?;
         let key = key.to_string();
         let joint = tok.encode(&format!("{text} {key}"), true)?;
@@ -303,12 +316,32 @@ impl Query {
             }
             .into());
         }
+        let needle: Vec<u32> = digits.iter().map(|&i| cont[i]).collect();
+        let planted = prompt
+            .windows(needle.len())
+            .enumerate()
+            .filter(|(_, w)| *w == needle.as_slice())
+            .map(|(i, _)| i)
+            .collect();
         Ok(Query {
             prompt,
             cont,
             digits,
             key,
+            depth,
+            planted,
         })
+    }
+
+    /// Whether some planted copy of the key lies wholly in the exact rows: sink, `spans` or tail.
+    fn covered(&self, rows: FillRows, spans: &[Range<usize>]) -> bool {
+        let n = self.prompt.len();
+        let Some(bulk) = rows.bulk(n) else {
+            return true;
+        };
+        let len = self.digits.len();
+        let exact = |p: usize| !bulk.contains(&p) || spans.iter().any(|s| s.contains(&p));
+        self.planted.iter().any(|&p| (p..p + len).all(exact))
     }
 }
 
@@ -345,7 +378,7 @@ fn queries(
                     needles: vec![(depth, needle)],
                     question: question.to_string(),
                 };
-                out.push(Query::new(tok, task, length, &layout, key)?);
+                out.push(Query::new(tok, task, length, &layout, (depth, key))?);
             }
         }
         Task::Prose => {
@@ -357,7 +390,7 @@ fn queries(
                     needles: vec![(depth, needle)],
                     question,
                 };
-                out.push(Query::new(tok, task, length, &layout, f.1)?);
+                out.push(Query::new(tok, task, length, &layout, (depth, f.1))?);
             }
         }
         Task::Multi => {
@@ -367,14 +400,14 @@ fn queries(
                     .zip(facts)
                     .map(|(&depth, &f)| (depth, fact(f).0))
                     .collect();
-                for &f in facts {
+                for (&depth, &f) in MULTI_DEPTHS.iter().zip(facts) {
                     let layout = Layout {
                         header: "",
                         units: prose_units,
                         needles: needles.clone(),
                         question: fact(f).1,
                     };
-                    out.push(Query::new(tok, task, length, &layout, f.1)?);
+                    out.push(Query::new(tok, task, length, &layout, (depth, f.1))?);
                 }
             }
         }
@@ -382,11 +415,44 @@ fn queries(
     Ok(out)
 }
 
-/// Whether the greedy answer after prefilling by `method` contains the key, and the summed NLL
-/// of the key's digit tokens, teacher-forced by the full model on top of that prefill.
-fn ask(model: &Llama, tok: &Tokenizer, method: Method, q: &Query) -> Result<(bool, f64)> {
-    let mut cache = model.new_cache(q.prompt.len() + ANSWER_TOKENS);
-    let mut logits = to_host_f32(model.prefill_with(&q.prompt, &mut cache, method)?);
+/// How one method answered one question.
+struct Answer {
+    depth: f64,
+    /// The greedy answer holds the key.
+    hit: bool,
+    /// The greedy answer's text.
+    text: String,
+    /// Summed NLL of the key's digit tokens, teacher-forced by the full model on top of the
+    /// method's prefill.
+    nll: f64,
+    /// The key's tokens ran every layer exactly (`None` for a method without chosen spans).
+    covered: Option<bool>,
+}
+
+/// One prefill by `method`, then a greedy answer and, from a copy of the cache, the key's NLL.
+fn ask(
+    model: &Llama,
+    tok: &Tokenizer,
+    method: Method,
+    oracle: Option<&Oracle>,
+    q: &Query,
+) -> Result<Answer> {
+    let mut cache = model.new_cache(q.prompt.len() + ANSWER_TOKENS.max(q.cont.len()));
+    let (last, spans) = match (method, oracle) {
+        (Method::Fill(maps, rows), Some(o)) => {
+            model.prefill_oracle(&q.prompt, &mut cache, maps, rows, o)?
+        }
+        _ => model.prefill_with_spans(&q.prompt, &mut cache, method)?,
+    };
+
+    let covered = match method {
+        Method::Fill(_, rows) if rows.exact > 0.0 => Some(q.covered(rows, &spans)),
+        _ => None,
+    };
+    let mut forced = cache.clone();
+    let logp = model.continue_logp(last.clone(), &q.cont, &mut forced)?;
+    drop(forced);
+    let mut logits = to_host_f32(last);
     let mut answer = Vec::with_capacity(ANSWER_TOKENS);
     for step in 0..ANSWER_TOKENS {
         let t = sample::argmax(&logits);
@@ -395,9 +461,9 @@ fn ask(model: &Llama, tok: &Tokenizer, method: Method, q: &Query) -> Result<(boo
             logits = to_host_f32(model.decode_step(t, &mut cache)?);
         }
     }
-    let hit = tok.decode(&answer, true)?.contains(&q.key);
+    let text = tok.decode(&answer, true)?;
+    let hit = text.contains(&q.key);
     // `[c, vocab]`, flattened on the host: c is a handful of tokens.
-    let logp = model.continuation_logp(&q.prompt, &q.cont, method)?;
     let vocab = logp.dims()[1];
     let logp = to_host_f32(logp);
     let nll = q
@@ -405,7 +471,13 @@ fn ask(model: &Llama, tok: &Tokenizer, method: Method, q: &Query) -> Result<(boo
         .iter()
         .map(|&i| -f64::from(logp[i * vocab + q.cont[i] as usize]))
         .sum();
-    Ok((hit, nll))
+    Ok(Answer {
+        depth: q.depth,
+        hit,
+        text,
+        nll,
+        covered,
+    })
 }
 
 /// One method's score on one task at one length.
@@ -422,15 +494,69 @@ struct Outcome {
     digits: usize,
     /// Accuracy over full prefill's on the same prompts (`None` when full gets none right).
     relative: Option<f64>,
+    answers: Vec<Answer>,
 }
 
 impl Outcome {
+    fn new(task: Task, length: usize, method: &'static str, qs: &[Query], exact: f64) -> Self {
+        Outcome {
+            task,
+            length,
+            method,
+            exact,
+            flops_ratio: 1.0,
+            hits: 0,
+            queries: qs.len(),
+            nll: 0.0,
+            digits: 0,
+            relative: None,
+            answers: Vec::with_capacity(qs.len()),
+        }
+    }
+
+    /// Counts `a`, the answer to `q`; a non-finite NLL is an error.
+    fn add(&mut self, a: Answer, q: &Query) -> Result<()> {
+        if !a.nll.is_finite() {
+            return Err(RetrievalError::NonFinite {
+                nll: a.nll,
+                method: self.method,
+                task: self.task.name(),
+                length: self.length,
+            }
+            .into());
+        }
+        self.hits += usize::from(a.hit);
+        self.nll += a.nll;
+        self.digits += q.digits.len();
+        self.answers.push(a);
+        Ok(())
+    }
+
     fn accuracy(&self) -> f64 {
         self.hits as f64 / self.queries as f64
     }
 
     fn key_nll(&self) -> f64 {
         self.nll / self.digits as f64
+    }
+
+    /// Questions whose key ran exactly, of those asked (`None` without chosen spans).
+    fn covered(&self) -> Option<usize> {
+        self.answers
+            .iter()
+            .map(|a| a.covered.map(usize::from))
+            .sum()
+    }
+
+    /// Depths of the questions answered wrongly, e.g. `0.3,0.9`.
+    fn misses(&self) -> String {
+        let m: Vec<String> = self
+            .answers
+            .iter()
+            .filter(|a| !a.hit)
+            .map(|a| format!("{}", a.depth))
+            .collect();
+        m.join(",")
     }
 }
 
@@ -458,33 +584,11 @@ pub fn run(
             let qs = queries(tok, task, length, spec.prose)?;
             let first = outcomes.len();
             for r in runners {
-                let mut o = Outcome {
-                    task,
-                    length,
-                    method: r.name(),
-                    exact: r.rows.exact,
-                    flops_ratio: r.flops_ratio(&model.config, length),
-                    hits: 0,
-                    queries: qs.len(),
-                    nll: 0.0,
-                    digits: 0,
-                    relative: None,
-                };
+                let mut o = Outcome::new(task, length, r.name(), &qs, r.rows.exact);
+                o.flops_ratio = r.flops_ratio(&model.config, length);
                 for q in &qs {
                     interrupt::check()?;
-                    let (hit, nll) = ask(model, tok, r.prefill(), q)?;
-                    if !nll.is_finite() {
-                        return Err(RetrievalError::NonFinite {
-                            nll,
-                            method: r.name(),
-                            task: task.name(),
-                            length,
-                        }
-                        .into());
-                    }
-                    o.hits += usize::from(hit);
-                    o.nll += nll;
-                    o.digits += q.digits.len();
+                    o.add(ask(model, tok, r.prefill(), None, q)?, q)?;
                     bar.inc(1);
                 }
                 outcomes.push(o);
@@ -500,6 +604,174 @@ pub fn run(
         print_json(&outcomes, header);
     } else {
         print_table(&outcomes, header);
+    }
+    Ok(())
+}
+
+/// A part of the filled K/V that an oracle run replaces with full prefill's.
+#[derive(Clone, Copy)]
+enum Restore {
+    /// Nothing: plain ridge fill.
+    Nothing,
+    /// Keys and values of every upper layer (equals full prefill up to rounding).
+    All,
+    Keys,
+    Values,
+    /// Keys and values of the key's rows (±`span` around each planted copy), every upper layer.
+    KeyRows,
+    /// Keys and values of one upper layer.
+    Layer(usize),
+}
+
+impl Restore {
+    fn name(self) -> String {
+        match self {
+            Self::Nothing => "ridge".into(),
+            Self::All => "true K+V".into(),
+            Self::Keys => "true K".into(),
+            Self::Values => "true V".into(),
+            Self::KeyRows => "true K+V on the key's rows".into(),
+            Self::Layer(l) => format!("true K+V in layer {l}"),
+        }
+    }
+
+    /// The oracle for `q`, restoring from `truth`; `None` for plain fill.
+    fn oracle<'a>(
+        self,
+        truth: &'a KvCache,
+        q: &Query,
+        rows: FillRows,
+        layers: Range<usize>,
+    ) -> Option<Oracle<'a>> {
+        let bulk = rows.bulk(q.prompt.len())?;
+        let (mut keys, mut values, mut restored, mut at) = (true, true, vec![bulk.clone()], layers);
+        match self {
+            Self::Nothing => return None,
+            Self::All => {}
+            Self::Keys => values = false,
+            Self::Values => keys = false,
+            Self::KeyRows => {
+                let len = q.digits.len();
+                restored = q
+                    .planted
+                    .iter()
+                    .map(|&p| {
+                        p.saturating_sub(rows.span).max(bulk.start)
+                            ..(p + len + rows.span).min(bulk.end)
+                    })
+                    .filter(|r| !r.is_empty())
+                    .collect();
+            }
+            Self::Layer(l) => at = l..l + 1,
+        }
+        Some(Oracle {
+            truth,
+            layers: at,
+            keys,
+            values,
+            rows: restored,
+        })
+    }
+}
+
+/// Diagnosis: each task × length with plain ridge fill (`ridge`'s maps and rows) and parts of
+/// its filled K/V replaced by full prefill's, to see which part of the fill loses the key.
+pub fn run_oracle(
+    loaded: &Loaded,
+    ridge: &Runner,
+    spec: &Spec,
+    header: &Header,
+    json: bool,
+) -> Result<()> {
+    let model = &loaded.model;
+    let tok = &loaded.ckpt.tokenizer;
+    let maps = ridge
+        .maps()
+        .ok_or_else(|| anyhow::anyhow!("the oracle needs fitted maps"))?;
+    let rows = FillRows {
+        exact: 0.0,
+        ..ridge.rows
+    };
+    let upper = maps.split..model.num_layers();
+    let restores: Vec<Restore> = [
+        Restore::Nothing,
+        Restore::All,
+        Restore::Keys,
+        Restore::Values,
+        Restore::KeyRows,
+    ]
+    .into_iter()
+    .chain(upper.clone().map(Restore::Layer))
+    .collect();
+    let total: usize = spec.tasks.iter().map(|t| t.queries()).sum::<usize>()
+        * spec.lengths.len()
+        * (restores.len() + 1);
+    let bar = super::fit::Bar::new(
+        total as u64,
+        "oracle [{bar:30}] {pos}/{len} prefills ETA {eta}",
+    );
+    let mut outcomes: Vec<(Outcome, String)> = Vec::new();
+    for &task in spec.tasks {
+        for &length in spec.lengths {
+            interrupt::check()?;
+            let qs = queries(tok, task, length, spec.prose)?;
+            let first = outcomes.len();
+            for &r in &restores {
+                outcomes.push((
+                    Outcome::new(task, length, "oracle", &qs, rows.exact),
+                    r.name(),
+                ));
+            }
+            for q in &qs {
+                interrupt::check()?;
+                let mut truth = model.new_cache(q.prompt.len());
+                model.prefill(&q.prompt, &mut truth)?;
+                bar.inc(1);
+                for (i, &r) in restores.iter().enumerate() {
+                    let oracle = r.oracle(&truth, q, rows, upper.clone());
+                    let a = ask(model, tok, Method::Fill(maps, rows), oracle.as_ref(), q)?;
+                    outcomes[first + i].0.add(a, q)?;
+                    bar.inc(1);
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    if json {
+        let results: Vec<serde_json::Value> = outcomes
+            .iter()
+            .map(|(o, name)| {
+                serde_json::json!({
+                    "task": o.task.name(),
+                    "length": o.length,
+                    "restored": name,
+                    "accuracy": o.accuracy(),
+                    "key_nll": o.key_nll(),
+                    "queries": o.queries,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "split": header.split, "tail": header.rows.tail, "results": results })
+        );
+    } else {
+        println!(
+            "oracle | {} | plain ridge fill, parts restored from full prefill",
+            header.describe()
+        );
+        println!("| task | length | restored | accuracy | key NLL | missed |");
+        println!("|---|---:|---|---:|---:|---|");
+        for (o, name) in &outcomes {
+            println!(
+                "| {} | {} | {name} | {:.2} | {:.3} | {} |",
+                o.task.name(),
+                o.length,
+                o.accuracy(),
+                o.key_nll(),
+                o.misses()
+            );
+        }
     }
     Ok(())
 }
@@ -528,6 +800,14 @@ fn print_json(outcomes: &[Outcome], h: &Header) {
                 "queries": o.queries,
                 "exact": o.exact,
                 "flops_ratio": o.flops_ratio,
+                "key_covered": o.covered(),
+                "answers": o.answers.iter().map(|a| serde_json::json!({
+                    "depth": a.depth,
+                    "hit": a.hit,
+                    "answer": a.text,
+                    "key_nll": a.nll,
+                    "key_covered": a.covered,
+                })).collect::<Vec<_>>(),
             });
             if let (Some(row), Some(s)) = (row.as_object_mut(), settings.as_object()) {
                 row.extend(s.clone());
@@ -544,19 +824,27 @@ fn print_table(outcomes: &[Outcome], h: &Header) {
     println!("retrieval | {}", h.describe());
     println!(
         "accuracy: greedy answer of {ANSWER_TOKENS} tokens holds the key; vs full: accuracy over \
-         full prefill's; key NLL: mean over the key's digit tokens"
+         full prefill's; key NLL: mean over the key's digit tokens; key exact: questions whose key \
+         ran every layer (chosen spans); missed: depths answered wrongly"
     );
-    println!("| task | length | method | accuracy | vs full | key NLL | prefill FLOPs |");
-    println!("|---|---:|---|---:|---:|---:|---:|");
+    println!(
+        "| task | length | method | accuracy | vs full | key NLL | key exact | missed | \
+         prefill FLOPs |"
+    );
+    println!("|---|---:|---|---:|---:|---:|---:|---|---:|");
     for o in outcomes {
         let relative = o.relative.map_or("–".to_string(), |r| format!("{r:.2}"));
+        let covered = o
+            .covered()
+            .map_or("–".to_string(), |c| format!("{c}/{}", o.queries));
         println!(
-            "| {} | {} | {} | {:.2} | {relative} | {:.3} | {:.3} |",
+            "| {} | {} | {} | {:.2} | {relative} | {:.3} | {covered} | {} | {:.3} |",
             o.task.name(),
             o.length,
             o.method,
             o.accuracy(),
             o.key_nll(),
+            o.misses(),
             o.flops_ratio
         );
     }
