@@ -20,8 +20,11 @@ use super::eval::{Header, Runner};
 
 /// Greedy tokens generated for an answer; also the positions kept free after the longest prompt.
 pub const ANSWER_TOKENS: usize = 8;
-/// Relative depths of the single planted fact (`passkey`, `passkey-first`, `prose`).
+/// Relative depths of the planted key (`passkey`, `passkey-first`).
 const DEPTHS: [f64; 5] = [0.1, 0.3, 0.5, 0.7, 0.9];
+/// Relative depths of the `prose` fact: ten, so one question is 10 points of accuracy, the
+/// resolution the comparison with full prefill is judged at.
+const PROSE_DEPTHS: [f64; 10] = [0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95];
 /// One unit of the passkey haystack, repeated.
 const PASSKEY_FILLER: &str =
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
@@ -36,21 +39,27 @@ const PASSKEY_FIRST_QUESTION: &str =
 const PASSKEY_FIRST_CUE: &str = "\nAnswer: The pass key is";
 /// Facts for the prose tasks, `(object, code)`: every object and code differs, so no answer is
 /// shared between depths or between the facts of one prompt.
-const FACTS: [(&str, u32); 6] = [
+const FACTS: [(&str, u32); 12] = [
     ("blue lighthouse", 48_213),
     ("red bicycle", 73_051),
     ("old library", 26_984),
     ("silver teapot", 85_417),
     ("green submarine", 31_679),
     ("stone bridge", 64_302),
+    ("copper kettle", 19_846),
+    ("yellow kite", 57_120),
+    ("glass tower", 90_375),
+    ("wooden ladder", 42_698),
+    ("purple umbrella", 36_507),
+    ("iron gate", 81_962),
 ];
 /// Relative depths of the three facts of a `multi` prompt.
 const MULTI_DEPTHS: [f64; 3] = [0.2, 0.5, 0.8];
 /// `multi` prompts per length, each with its own facts, each fact asked in turn.
-const MULTI_PROMPTS: usize = 2;
+const MULTI_PROMPTS: usize = 4;
 /// Every depth, and every fact of every `multi` prompt, has a fact of its own.
 const _: () =
-    assert!(FACTS.len() >= DEPTHS.len() && FACTS.len() >= MULTI_PROMPTS * MULTI_DEPTHS.len());
+    assert!(FACTS.len() >= PROSE_DEPTHS.len() && FACTS.len() >= MULTI_PROMPTS * MULTI_DEPTHS.len());
 /// Prose characters gathered per token of the longest prompt: generous whatever the tokenizer
 /// (English BPE averages about four), so the haystack never runs out.
 const PROSE_CHARS_PER_TOKEN: usize = 8;
@@ -93,6 +102,7 @@ impl Task {
     fn queries(self) -> usize {
         match self {
             Self::Multi => MULTI_PROMPTS * MULTI_DEPTHS.len(),
+            Self::Prose => PROSE_DEPTHS.len(),
             _ => DEPTHS.len(),
         }
     }
@@ -382,7 +392,7 @@ fn queries(
             }
         }
         Task::Prose => {
-            for (&depth, &f) in DEPTHS.iter().zip(&FACTS) {
+            for (&depth, &f) in PROSE_DEPTHS.iter().zip(&FACTS) {
                 let (needle, question) = fact(f);
                 let layout = Layout {
                     header: "",
