@@ -21,12 +21,12 @@ fill="$out/s15.fill"
 for text in brown legal code; do
   case $text in brown) src=(models/cache/brown/cr0*) ;; *) src=("$out/ood/$text") ;; esac
   "$bin" eval --device cpu --fill "$fill" --text "${src[@]}" --max-windows 24 \
-    --methods full,fill,ridge,spans,drop,own-proj --json > "$out/out/$text.json"
+    --methods "${TEXT_METHODS:-full,fill,ridge,spans,drop,own-proj}" --json > "$out/out/$text.json"
 done
 "$bin" eval --device cpu --fill "$fill" --task passkey,passkey-first --lengths 512,1024,2048,4096 \
-  --methods full,fill,ridge,spans > "$out/out/passkey.md"
-"$bin" eval --device cpu --fill "$fill" --task passkey,passkey-first --lengths 8192 \
-  --methods full,fill > "$out/out/passkey8k.md"
+  --methods "${PASSKEY_METHODS:-full,fill,ridge,spans}" > "$out/out/passkey.md"
+"$bin" eval --device cpu --fill "$fill" --task passkey --lengths 8192 --methods full,fill \
+  > "$out/out/passkey8k.md"
 # Diagnosis: plain ridge with parts of the filled K/V restored from full prefill.
 "$bin" eval --device cpu --fill "$fill" --task passkey,prose --lengths 1024 --oracle \
   > "$out/out/oracle.md"
