@@ -208,8 +208,15 @@ pub struct ModelConfig {
     pub use_sliding_window: bool,
     /// Keys a sliding-window layer's query sees, itself included (`q - k < window`).
     pub sliding_window: Option<usize>,
-    /// Per layer: full or sliding-window attention (length `num_hidden_layers`).
+    /// Per layer, full or sliding-window attention, when the config lists them; empty, the
+    /// layers follow `sliding_window_pattern`, else `max_window_layers`, else all slide
+    /// (see [`ModelConfig::layer_window`]). Never built from a layer count alone, which comes
+    /// from the file and may be absurd.
     pub layer_types: Vec<LayerType>,
+    /// Every `n`-th layer (1-based) is global, the others slide (Gemma 3: 6).
+    pub sliding_window_pattern: Option<usize>,
+    /// Layers from this index on slide (Qwen2/Qwen3 with `use_sliding_window`).
+    pub max_window_layers: Option<usize>,
     /// RoPE base of sliding-window layers (Gemma 3), which also skip `rope_scaling`.
     pub rope_local_base_freq: Option<f64>,
 }
@@ -390,39 +397,26 @@ impl ModelConfig {
             _ => r.sliding_window,
         };
         let layer_types = match (&r.layer_types, sliding_window) {
-            (_, None) => vec![LayerType::Full; layers],
             (Some(names), Some(_)) => names
                 .iter()
                 .map(|n| LayerType::parse(n).ok_or_else(|| format!("layer_types: unknown {n:?}")))
                 .collect::<std::result::Result<Vec<_>, _>>()?,
-            (None, Some(_)) => match family {
-                Some(Family::Gemma3) => {
-                    let pattern = r.sliding_window_pattern.unwrap_or(GEMMA3_SLIDING_PATTERN);
-                    (0..layers)
-                        .map(|i| {
-                            if pattern > 0 && (i + 1) % pattern != 0 {
-                                LayerType::Sliding
-                            } else {
-                                LayerType::Full
-                            }
-                        })
-                        .collect()
-                }
-                Some(Family::Qwen2 | Family::Qwen3) => {
-                    let from = r.max_window_layers.unwrap_or(QWEN2_MAX_WINDOW_LAYERS);
-                    (0..layers)
-                        .map(|i| {
-                            if i >= from {
-                                LayerType::Sliding
-                            } else {
-                                LayerType::Full
-                            }
-                        })
-                        .collect()
-                }
-                // Mistral: every layer slides.
-                _ => vec![LayerType::Sliding; layers],
-            },
+            _ => Vec::new(),
+        };
+        let listed = !layer_types.is_empty() || sliding_window.is_none();
+        let sliding_window_pattern = match family {
+            Some(Family::Gemma3) if !listed => {
+                Some(r.sliding_window_pattern.unwrap_or(GEMMA3_SLIDING_PATTERN))
+            }
+            _ if !listed => r.sliding_window_pattern,
+            _ => None,
+        };
+        let max_window_layers = match family {
+            Some(Family::Qwen2 | Family::Qwen3) if !listed => {
+                Some(r.max_window_layers.unwrap_or(QWEN2_MAX_WINDOW_LAYERS))
+            }
+            _ if !listed => r.max_window_layers,
+            _ => None,
         };
         let default_theta = if gemma {
             GEMMA3_ROPE_THETA
@@ -477,6 +471,8 @@ impl ModelConfig {
             use_sliding_window: sliding_window.is_some(),
             sliding_window,
             layer_types,
+            sliding_window_pattern,
+            max_window_layers,
             rope_local_base_freq: r
                 .rope_local_base_freq
                 .or(rp.local_theta)
@@ -510,10 +506,17 @@ impl ModelConfig {
     /// Layer `l`'s attention window (keys a query sees, itself included), `None` for full
     /// attention.
     pub fn layer_window(&self, l: usize) -> Option<usize> {
-        match self.layer_types.get(l) {
-            Some(LayerType::Sliding) => self.sliding_window,
-            _ => None,
-        }
+        let w = self.sliding_window?;
+        let sliding = if !self.layer_types.is_empty() {
+            self.layer_types.get(l) == Some(&LayerType::Sliding)
+        } else if let Some(p) = self.sliding_window_pattern {
+            p > 0 && !(l + 1).is_multiple_of(p)
+        } else if let Some(from) = self.max_window_layers {
+            l >= from
+        } else {
+            true
+        };
+        sliding.then_some(w)
     }
 
     /// Whether layer `l` rotates with the local RoPE base (and no scaling): Gemma 3's sliding
@@ -561,10 +564,8 @@ impl ModelConfig {
             f.push(format!("final logit soft-cap {c}"));
         }
         if let Some(w) = self.sliding_window {
-            let sliding = self
-                .layer_types
-                .iter()
-                .filter(|t| **t == LayerType::Sliding)
+            let sliding = (0..self.num_hidden_layers)
+                .filter(|&l| self.layer_window(l).is_some())
                 .count();
             f.push(format!(
                 "sliding window {w} on {sliding} of {} layers",
@@ -661,15 +662,6 @@ impl ModelConfig {
             .ok()
             .flatten()
             .unwrap_or(GEMMA3_SLIDING_PATTERN);
-        let layer_types = (0..layers)
-            .map(|i| {
-                if sliding_window.is_some() && pattern > 0 && (i + 1) % pattern != 0 {
-                    LayerType::Sliding
-                } else {
-                    LayerType::Full
-                }
-            })
-            .collect();
         // llama.cpp: Gemma 3 27B scales by hidden / heads, the others by head_dim.
         let query_pre_attn_scalar = gemma.then(|| {
             if layers == GEMMA3_27B_LAYERS {
@@ -715,7 +707,9 @@ impl ModelConfig {
             final_logit_softcapping: opt_f64("final_logit_softcapping")?,
             use_sliding_window: sliding_window.is_some(),
             sliding_window,
-            layer_types,
+            layer_types: Vec::new(),
+            sliding_window_pattern: sliding_window.map(|_| pattern),
+            max_window_layers: None,
             rope_local_base_freq: if gemma {
                 Some(opt_f64("rope.freq_base_swa")?.unwrap_or(GEMMA3_LOCAL_ROPE_THETA))
             } else {
@@ -866,10 +860,10 @@ impl ModelConfig {
         if self.sliding_window == Some(0) {
             return Err(bad("sliding_window", "a positive size", "0".into()));
         }
-        if self.layer_types.len() != self.num_hidden_layers {
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.num_hidden_layers {
             return Err(bad(
                 "layer_types",
-                &format!("one entry per layer ({})", self.num_hidden_layers),
+                &format!("one entry per layer ({}), or none", self.num_hidden_layers),
                 self.layer_types.len().to_string(),
             ));
         }
