@@ -9,7 +9,7 @@ use crate::config::ModelConfig;
 use crate::error::{IoError, Result};
 use crate::gguf::{GGUF_MAGIC, GgufFile};
 use crate::hf::{HfDir, SafetensorsSet};
-use crate::names::{expected_shape, gguf_to_hf, hf_layer_index, required_tensors_iter};
+use crate::names::{expected_shape, gguf_to_hf_arch, hf_layer_index, required_tensors_iter};
 use crate::tokenizer::Tokenizer;
 
 /// GGUF key holding the Jinja chat template.
@@ -125,11 +125,12 @@ impl Checkpoint {
             }
             None => None,
         };
+        let arch = file.architecture()?.to_string();
         let by_hf = file
             .tensors()
             .iter()
             .enumerate()
-            .map(|(i, t)| (gguf_to_hf(&t.name), i))
+            .map(|(i, t)| (gguf_to_hf_arch(&arch, &t.name), i))
             .collect();
         let permute_qk = PERMUTED_QK_ARCHS.contains(&file.architecture()?);
         Ok(Checkpoint {

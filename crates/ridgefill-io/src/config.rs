@@ -68,9 +68,103 @@ impl RopeScaling {
     }
 }
 
+/// Decoder families the engine implements; their differences are data on [`ModelConfig`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Llama 2/3, SmolLM, TinyLlama, Mistral.
+    Llama,
+    /// Qwen2 / Qwen2.5: q/k/v biases.
+    Qwen2,
+    /// Qwen3: per-head q/k RMSNorm.
+    Qwen3,
+    /// Gemma 3 (text): q/k norm, (1 + w) norms, sandwich norms, GeGLU, scaled embeddings,
+    /// interleaved sliding-window and global layers with their own RoPE bases.
+    Gemma3,
+}
+
+impl Family {
+    /// The family of a HF `model_type` (GGUF architectures are mapped to these first).
+    pub fn of_model_type(model_type: &str) -> Option<Family> {
+        Some(match model_type {
+            "llama" | "mistral" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            "gemma3_text" | "gemma3" => Family::Gemma3,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// The MLP's gate activation.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (Llama, Qwen).
+    #[default]
+    #[serde(rename = "silu")]
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    #[serde(rename = "gelu_pytorch_tanh")]
+    GeluTanh,
+}
+
+impl Activation {
+    /// HF `hidden_act` / `hidden_activation` names.
+    pub fn parse(name: &str) -> Option<Activation> {
+        Some(match name {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
+            _ => return None,
+        })
+    }
+}
+
+/// HF `layer_types` entries.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub enum LayerType {
+    #[serde(rename = "full_attention")]
+    Full,
+    #[serde(rename = "sliding_attention")]
+    Sliding,
+}
+
+impl LayerType {
+    fn parse(name: &str) -> Option<LayerType> {
+        Some(match name {
+            "full_attention" => LayerType::Full,
+            "sliding_attention" => LayerType::Sliding,
+            _ => return None,
+        })
+    }
+}
+
+/// Gemma 3 defaults (transformers' `Gemma3TextConfig`).
+const GEMMA3_SLIDING_WINDOW: usize = 4096;
+const GEMMA3_SLIDING_PATTERN: usize = 6;
+const GEMMA3_LOCAL_ROPE_THETA: f64 = 10_000.0;
+const GEMMA3_ROPE_THETA: f64 = 1_000_000.0;
+const GEMMA3_QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
+const GEMMA3_HEAD_DIM: usize = 256;
+const GEMMA3_MAX_POSITIONS: usize = 131_072;
+/// Qwen3's default `head_dim` (transformers' `Qwen3Config`).
+const QWEN3_HEAD_DIM: usize = 128;
+/// Qwen2's default `max_window_layers`: layers below it never slide.
+const QWEN2_MAX_WINDOW_LAYERS: usize = 28;
+/// llama.cpp's Gemma 3 27B attention scale uses hidden / heads instead of head_dim; it is
+/// recognised by its layer count, as llama.cpp does.
+const GEMMA3_27B_LAYERS: usize = 62;
+
 /// Architecture hyper-parameters (HF `config.json` field names).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
-#[serde(from = "RawModelConfig")]
+#[serde(try_from = "serde_json::Value")]
 pub struct ModelConfig {
     pub architectures: Vec<String>,
     pub model_type: String,
@@ -89,15 +183,42 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<EosIds>,
     pub torch_dtype: Option<String>,
-}
-
-/// transformers v5 moves rope settings into `rope_parameters`.
-#[derive(Deserialize)]
-struct RopeParameters {
-    #[serde(default)]
-    rope_theta: Option<f64>,
-    #[serde(flatten)]
-    scaling: RopeScaling,
+    // Per-family switches, resolved from `model_type` and the family's transformers defaults.
+    /// Q/K/V projections carry biases (Qwen2 always; Llama/Qwen3 when `attention_bias`).
+    pub attention_bias: bool,
+    /// Per-head RMSNorm of Q and K before RoPE (`q_norm`, `k_norm`: Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// Added to every RMSNorm weight on load: 1 for Gemma's `(1 + w)` norms as HF stores them,
+    /// 0 where the checkpoint already holds `1 + w` (llama.cpp's Gemma GGUF) or plain weights.
+    pub norm_weight_offset: f64,
+    /// Gemma 3's four norms per block: `post_attention_layernorm` on the attention output,
+    /// `pre_feedforward_layernorm` / `post_feedforward_layernorm` around the MLP.
+    pub sandwich_norms: bool,
+    /// The MLP gate's activation (HF `hidden_act`, or Gemma's `hidden_activation`).
+    pub hidden_act: Activation,
+    /// Embeddings multiplied by this (Gemma: √hidden, rounded to the activation dtype).
+    pub embed_scale: Option<f64>,
+    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2`.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// `cap · tanh(score / cap)` on attention scores.
+    pub attn_logit_softcapping: Option<f64>,
+    /// `cap · tanh(logit / cap)` on output logits.
+    pub final_logit_softcapping: Option<f64>,
+    /// Whether `sliding_window` is in effect (Qwen's switch; set whenever a window applies).
+    pub use_sliding_window: bool,
+    /// Keys a sliding-window layer's query sees, itself included (`q - k < window`).
+    pub sliding_window: Option<usize>,
+    /// Per layer, full or sliding-window attention, when the config lists them; empty, the
+    /// layers follow `sliding_window_pattern`, else `max_window_layers`, else all slide
+    /// (see [`ModelConfig::layer_window`]). Never built from a layer count alone, which comes
+    /// from the file and may be absurd.
+    pub layer_types: Vec<LayerType>,
+    /// Every `n`-th layer (1-based) is global, the others slide (Gemma 3: 6).
+    pub sliding_window_pattern: Option<usize>,
+    /// Layers from this index on slide (Qwen2/Qwen3 with `use_sliding_window`).
+    pub max_window_layers: Option<usize>,
+    /// RoPE base of sliding-window layers (Gemma 3), which also skip `rope_scaling`.
+    pub rope_local_base_freq: Option<f64>,
 }
 
 /// What `config.json` may contain; defaults and renamed fields are resolved into [`ModelConfig`].
@@ -122,12 +243,12 @@ struct RawModelConfig {
     #[serde(default)]
     rope_scaling: Option<RopeScaling>,
     #[serde(default)]
-    rope_parameters: Option<RopeParameters>,
+    rope_parameters: Option<serde_json::Value>,
     vocab_size: usize,
     #[serde(default)]
     max_position_embeddings: Option<usize>,
     #[serde(default)]
-    tie_word_embeddings: bool,
+    tie_word_embeddings: Option<bool>,
     #[serde(default)]
     bos_token_id: Option<u32>,
     #[serde(default)]
@@ -136,40 +257,227 @@ struct RawModelConfig {
     torch_dtype: Option<String>,
     #[serde(default)]
     dtype: Option<String>,
+    #[serde(default)]
+    attention_bias: Option<bool>,
+    #[serde(default)]
+    qk_norm: Option<bool>,
+    #[serde(default)]
+    norm_weight_offset: Option<f64>,
+    #[serde(default)]
+    sandwich_norms: Option<bool>,
+    #[serde(default)]
+    hidden_act: Option<String>,
+    #[serde(default)]
+    hidden_activation: Option<String>,
+    #[serde(default)]
+    embed_scale: Option<f64>,
+    #[serde(default)]
+    query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    final_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    use_sliding_window: Option<bool>,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+    #[serde(default)]
+    max_window_layers: Option<usize>,
+    #[serde(default)]
+    sliding_window_pattern: Option<usize>,
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    rope_local_base_freq: Option<f64>,
 }
 
-impl From<RawModelConfig> for ModelConfig {
-    fn from(r: RawModelConfig) -> Self {
-        let (params_theta, params_scaling) = match r.rope_parameters {
-            Some(p) => {
-                // A "default" rope type in rope_parameters means no scaling at all.
-                let scaling =
-                    Some(p.scaling).filter(|s| !matches!(s.kind(), None | Some("default")));
-                (p.rope_theta, scaling)
-            }
-            None => (None, None),
+/// transformers v5 `rope_parameters`: one set, or (Gemma 3) one per layer type.
+#[derive(Default)]
+struct RopeParams {
+    theta: Option<f64>,
+    scaling: Option<RopeScaling>,
+    local_theta: Option<f64>,
+}
+
+fn rope_params(v: Option<&serde_json::Value>) -> std::result::Result<RopeParams, String> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(RopeParams::default());
+    };
+    let one =
+        |v: &serde_json::Value| -> std::result::Result<(Option<f64>, Option<RopeScaling>), String> {
+            let theta = v.get("rope_theta").and_then(serde_json::Value::as_f64);
+            let scaling: RopeScaling =
+                serde_json::from_value(v.clone()).map_err(|e| format!("rope_parameters: {e}"))?;
+            // A "default" rope type means no scaling at all.
+            let scaling = Some(scaling).filter(|s| !matches!(s.kind(), None | Some("default")));
+            Ok((theta, scaling))
         };
-        ModelConfig {
+    match (v.get("full_attention"), v.get("sliding_attention")) {
+        (None, None) => {
+            let (theta, scaling) = one(v)?;
+            Ok(RopeParams {
+                theta,
+                scaling,
+                local_theta: None,
+            })
+        }
+        (full, sliding) => {
+            let (theta, scaling) = match full {
+                Some(f) => one(f)?,
+                None => (None, None),
+            };
+            let local_theta = match sliding {
+                Some(s) => one(s)?.0,
+                None => None,
+            };
+            Ok(RopeParams {
+                theta,
+                scaling,
+                local_theta,
+            })
+        }
+    }
+}
+
+impl TryFrom<serde_json::Value> for ModelConfig {
+    type Error = String;
+
+    /// A multimodal Gemma 3 config (`model_type` "gemma3") is read through its `text_config`.
+    fn try_from(mut v: serde_json::Value) -> std::result::Result<Self, String> {
+        let multimodal = v.get("model_type").and_then(|t| t.as_str()) == Some("gemma3")
+            && v.get("text_config").is_some_and(|t| t.is_object());
+        if multimodal {
+            let mut text = v["text_config"].take();
+            let obj = text.as_object_mut().expect("checked to be an object");
+            obj.entry("model_type")
+                .or_insert_with(|| serde_json::Value::from("gemma3_text"));
+            for key in [
+                "architectures",
+                "bos_token_id",
+                "eos_token_id",
+                "torch_dtype",
+                "dtype",
+            ] {
+                if let Some(x) = v.get(key)
+                    && !obj.contains_key(key)
+                {
+                    obj.insert(key.to_string(), x.clone());
+                }
+            }
+            v = text;
+        }
+        let raw: RawModelConfig = serde_json::from_value(v).map_err(|e| e.to_string())?;
+        ModelConfig::resolve(raw)
+    }
+}
+
+impl ModelConfig {
+    /// Resolves defaults, renamed fields and the family's switches.
+    fn resolve(r: RawModelConfig) -> std::result::Result<ModelConfig, String> {
+        let family = Family::of_model_type(&r.model_type);
+        let gemma = family == Some(Family::Gemma3);
+        let rp = rope_params(r.rope_parameters.as_ref())?;
+        let layers = r.num_hidden_layers;
+        let act_name = if gemma {
+            r.hidden_activation.as_deref().or(r.hidden_act.as_deref())
+        } else {
+            r.hidden_act.as_deref().or(r.hidden_activation.as_deref())
+        };
+        let hidden_act = match act_name {
+            Some(name) => Activation::parse(name).ok_or_else(|| {
+                format!("hidden_act {name:?} is not supported (silu, gelu_pytorch_tanh)")
+            })?,
+            None if gemma => Activation::GeluTanh,
+            None => Activation::Silu,
+        };
+        // Which layers slide, and over how many keys.
+        let sliding_window = match family {
+            Some(Family::Gemma3) => Some(r.sliding_window.unwrap_or(GEMMA3_SLIDING_WINDOW)),
+            Some(Family::Qwen2 | Family::Qwen3) if r.use_sliding_window != Some(true) => None,
+            _ => r.sliding_window,
+        };
+        let layer_types = match (&r.layer_types, sliding_window) {
+            (Some(names), Some(_)) => names
+                .iter()
+                .map(|n| LayerType::parse(n).ok_or_else(|| format!("layer_types: unknown {n:?}")))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+            _ => Vec::new(),
+        };
+        let listed = !layer_types.is_empty() || sliding_window.is_none();
+        let sliding_window_pattern = match family {
+            Some(Family::Gemma3) if !listed => {
+                Some(r.sliding_window_pattern.unwrap_or(GEMMA3_SLIDING_PATTERN))
+            }
+            _ if !listed => r.sliding_window_pattern,
+            _ => None,
+        };
+        let max_window_layers = match family {
+            Some(Family::Qwen2 | Family::Qwen3) if !listed => {
+                Some(r.max_window_layers.unwrap_or(QWEN2_MAX_WINDOW_LAYERS))
+            }
+            _ if !listed => r.max_window_layers,
+            _ => None,
+        };
+        let default_theta = if gemma {
+            GEMMA3_ROPE_THETA
+        } else {
+            DEFAULT_ROPE_THETA
+        };
+        let head_dim = r.head_dim.or(match family {
+            Some(Family::Gemma3) => Some(GEMMA3_HEAD_DIM),
+            Some(Family::Qwen3) => Some(QWEN3_HEAD_DIM),
+            _ => None,
+        });
+        Ok(ModelConfig {
             architectures: r.architectures,
             model_type: r.model_type,
             hidden_size: r.hidden_size,
             intermediate_size: r.intermediate_size,
-            num_hidden_layers: r.num_hidden_layers,
+            num_hidden_layers: layers,
             num_attention_heads: r.num_attention_heads,
             num_key_value_heads: r.num_key_value_heads.unwrap_or(r.num_attention_heads),
-            head_dim: r.head_dim,
+            head_dim,
             rms_norm_eps: r.rms_norm_eps.unwrap_or(DEFAULT_RMS_NORM_EPS),
-            rope_theta: r.rope_theta.or(params_theta).unwrap_or(DEFAULT_ROPE_THETA),
-            rope_scaling: r.rope_scaling.or(params_scaling),
+            rope_theta: r.rope_theta.or(rp.theta).unwrap_or(default_theta),
+            rope_scaling: r.rope_scaling.or(rp.scaling),
             vocab_size: r.vocab_size,
-            max_position_embeddings: r
-                .max_position_embeddings
-                .unwrap_or(DEFAULT_MAX_POSITION_EMBEDDINGS),
-            tie_word_embeddings: r.tie_word_embeddings,
+            max_position_embeddings: r.max_position_embeddings.unwrap_or(if gemma {
+                GEMMA3_MAX_POSITIONS
+            } else {
+                DEFAULT_MAX_POSITION_EMBEDDINGS
+            }),
+            // transformers: Gemma 3 ties by default, Llama and Qwen do not.
+            tie_word_embeddings: r.tie_word_embeddings.unwrap_or(gemma),
             bos_token_id: r.bos_token_id,
             eos_token_id: r.eos_token_id,
             torch_dtype: r.torch_dtype.or(r.dtype),
-        }
+            attention_bias: r.attention_bias.unwrap_or(family == Some(Family::Qwen2)),
+            qk_norm: r
+                .qk_norm
+                .unwrap_or(matches!(family, Some(Family::Qwen3 | Family::Gemma3))),
+            norm_weight_offset: r
+                .norm_weight_offset
+                .unwrap_or(if gemma { 1.0 } else { 0.0 }),
+            sandwich_norms: r.sandwich_norms.unwrap_or(gemma),
+            hidden_act,
+            embed_scale: r
+                .embed_scale
+                .or(gemma.then(|| (r.hidden_size as f64).sqrt())),
+            query_pre_attn_scalar: r
+                .query_pre_attn_scalar
+                .or(gemma.then_some(GEMMA3_QUERY_PRE_ATTN_SCALAR)),
+            attn_logit_softcapping: r.attn_logit_softcapping,
+            final_logit_softcapping: r.final_logit_softcapping,
+            use_sliding_window: sliding_window.is_some(),
+            sliding_window,
+            layer_types,
+            sliding_window_pattern,
+            max_window_layers,
+            rope_local_base_freq: r
+                .rope_local_base_freq
+                .or(rp.local_theta)
+                .or(gemma.then_some(GEMMA3_LOCAL_ROPE_THETA)),
+        })
     }
 }
 
@@ -188,6 +496,86 @@ impl ModelConfig {
     /// Width of the Q projection: heads x head dim.
     pub fn q_dim(&self) -> usize {
         self.num_attention_heads * self.head_dim()
+    }
+
+    /// The decoder family of `model_type`, if the engine implements it.
+    pub fn family(&self) -> Option<Family> {
+        Family::of_model_type(&self.model_type)
+    }
+
+    /// Layer `l`'s attention window (keys a query sees, itself included), `None` for full
+    /// attention.
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        let w = self.sliding_window?;
+        let sliding = if !self.layer_types.is_empty() {
+            self.layer_types.get(l) == Some(&LayerType::Sliding)
+        } else if let Some(p) = self.sliding_window_pattern {
+            p > 0 && !(l + 1).is_multiple_of(p)
+        } else if let Some(from) = self.max_window_layers {
+            l >= from
+        } else {
+            true
+        };
+        sliding.then_some(w)
+    }
+
+    /// Whether layer `l` rotates with the local RoPE base (and no scaling): Gemma 3's sliding
+    /// layers.
+    pub fn layer_uses_local_rope(&self, l: usize) -> bool {
+        self.rope_local_base_freq.is_some() && self.layer_window(l).is_some()
+    }
+
+    /// Attention score scale: `query_pre_attn_scalar^-1/2`, else `head_dim^-1/2`.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim() as f64)
+            .sqrt()
+    }
+
+    /// The features this config switches on beyond plain Llama, for `info` and errors.
+    pub fn features(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        if self.attention_bias {
+            f.push("q/k/v biases".to_string());
+        }
+        if self.qk_norm {
+            f.push("q/k RMSNorm".to_string());
+        }
+        if self.norm_weight_offset != 0.0 {
+            f.push(format!("norm weights + {}", self.norm_weight_offset));
+        }
+        if self.sandwich_norms {
+            f.push("pre/post norms around attention and MLP".to_string());
+        }
+        if self.hidden_act == Activation::GeluTanh {
+            f.push("GeGLU (gelu tanh)".to_string());
+        }
+        if let Some(s) = self.embed_scale {
+            f.push(format!("embeddings x {s:.4}"));
+        }
+        if let Some(q) = self.query_pre_attn_scalar {
+            f.push(format!("attention scale {q}^-1/2"));
+        }
+        if let Some(c) = self.attn_logit_softcapping {
+            f.push(format!("attention soft-cap {c}"));
+        }
+        if let Some(c) = self.final_logit_softcapping {
+            f.push(format!("final logit soft-cap {c}"));
+        }
+        if let Some(w) = self.sliding_window {
+            let sliding = (0..self.num_hidden_layers)
+                .filter(|&l| self.layer_window(l).is_some())
+                .count();
+            f.push(format!(
+                "sliding window {w} on {sliding} of {} layers",
+                self.num_hidden_layers
+            ));
+        }
+        if let Some(t) = self.rope_local_base_freq {
+            f.push(format!("local RoPE base {t}"));
+        }
+        f
     }
 
     /// All EOS ids from `eos_token_id` (empty when absent).
@@ -244,16 +632,50 @@ impl ModelConfig {
                 },
             },
         };
+        let model_type = match arch.as_str() {
+            "gemma3" => "gemma3_text".to_string(),
+            a => a.to_string(),
+        };
+        let family = Family::of_model_type(&model_type);
+        let gemma = family == Some(Family::Gemma3);
         let rope_theta = g
             .opt_f32(&key("rope.freq_base"))?
             .map(decimal_f64)
-            .unwrap_or(DEFAULT_ROPE_THETA);
+            .unwrap_or(if gemma {
+                GEMMA3_ROPE_THETA
+            } else {
+                DEFAULT_ROPE_THETA
+            });
+        let layers = g.get_usize(&key("block_count"))?;
+        let hidden_size = g.get_usize(&key("embedding_length"))?;
+        let opt_f64 = |k: &str| -> Result<Option<f64>> { Ok(g.opt_f32(&key(k))?.map(decimal_f64)) };
+        // Gemma 3 in llama.cpp: every 6th layer global, the rest slide over
+        // `attention.sliding_window` keys with RoPE base 10000 (no `rope_scaling`).
+        let sliding_window = if gemma {
+            g.opt_usize(&key("attention.sliding_window"))?
+                .filter(|&w| w > 0)
+        } else {
+            None
+        };
+        let pattern = g
+            .opt_usize(&key("attention.sliding_window_pattern"))
+            .ok()
+            .flatten()
+            .unwrap_or(GEMMA3_SLIDING_PATTERN);
+        // llama.cpp: Gemma 3 27B scales by hidden / heads, the others by head_dim.
+        let query_pre_attn_scalar = gemma.then(|| {
+            if layers == GEMMA3_27B_LAYERS {
+                (hidden_size / num_attention_heads.max(1)) as f64
+            } else {
+                head_dim.unwrap_or(GEMMA3_HEAD_DIM) as f64
+            }
+        });
         let mut cfg = ModelConfig {
             architectures: hf_architectures(&arch),
-            model_type: arch.clone(),
-            hidden_size: g.get_usize(&key("embedding_length"))?,
+            model_type,
+            hidden_size,
             intermediate_size: g.get_usize(&key("feed_forward_length"))?,
-            num_hidden_layers: g.get_usize(&key("block_count"))?,
+            num_hidden_layers: layers,
             num_attention_heads,
             num_key_value_heads: g
                 .opt_usize(&key("attention.head_count_kv"))?
@@ -268,6 +690,31 @@ impl ModelConfig {
             bos_token_id: g.opt_u32("tokenizer.ggml.bos_token_id")?,
             eos_token_id: g.opt_u32("tokenizer.ggml.eos_token_id")?.map(EosIds::One),
             torch_dtype: None,
+            // Biases are whatever the converter wrote (Qwen2 always has them).
+            attention_bias: g.tensor_info("blk.0.attn_q.bias").is_some(),
+            qk_norm: g.tensor_info("blk.0.attn_q_norm.weight").is_some(),
+            // llama.cpp's converter folds Gemma's `1 + w` into the stored norm weights.
+            norm_weight_offset: 0.0,
+            sandwich_norms: gemma,
+            hidden_act: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            embed_scale: gemma.then(|| (hidden_size as f64).sqrt()),
+            query_pre_attn_scalar,
+            attn_logit_softcapping: opt_f64("attn_logit_softcapping")?,
+            final_logit_softcapping: opt_f64("final_logit_softcapping")?,
+            use_sliding_window: sliding_window.is_some(),
+            sliding_window,
+            layer_types: Vec::new(),
+            sliding_window_pattern: sliding_window.map(|_| pattern),
+            max_window_layers: None,
+            rope_local_base_freq: if gemma {
+                Some(opt_f64("rope.freq_base_swa")?.unwrap_or(GEMMA3_LOCAL_ROPE_THETA))
+            } else {
+                None
+            },
         };
         cfg.rope_scaling = gguf_rope_scaling(g, &arch, &cfg)?;
         cfg.validate(g.path())?;
@@ -389,6 +836,37 @@ impl ModelConfig {
                 self.rope_theta.to_string(),
             ));
         }
+        let positive = [
+            ("rope_local_base_freq", self.rope_local_base_freq),
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+            ("embed_scale", self.embed_scale),
+        ];
+        for (field, v) in positive {
+            if let Some(x) = v
+                && !(x.is_finite() && x > 0.0)
+            {
+                return Err(bad(field, "a positive finite number", x.to_string()));
+            }
+        }
+        if !self.norm_weight_offset.is_finite() {
+            return Err(bad(
+                "norm_weight_offset",
+                "a finite number",
+                self.norm_weight_offset.to_string(),
+            ));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(bad("sliding_window", "a positive size", "0".into()));
+        }
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.num_hidden_layers {
+            return Err(bad(
+                "layer_types",
+                &format!("one entry per layer ({}), or none", self.num_hidden_layers),
+                self.layer_types.len().to_string(),
+            ));
+        }
         Ok(())
     }
 }
@@ -406,6 +884,7 @@ fn hf_architectures(arch: &str) -> Vec<String> {
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
         "gemma" => "GemmaForCausalLM",
+        "gemma3" => "Gemma3ForCausalLM",
         "phi3" => "Phi3ForCausalLM",
         _ => return Vec::new(),
     };

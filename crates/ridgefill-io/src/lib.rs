@@ -17,7 +17,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use checkpoint::{Checkpoint, CheckpointFormat, TensorInfo};
-pub use config::{EosIds, ModelConfig, RopeScaling};
+pub use config::{Activation, EosIds, Family, LayerType, ModelConfig, RopeScaling};
 pub use error::{IoError, Result};
 pub use fill::{FieldMismatch, FillDtype, FillFile, FillMeta, ModelFingerprint};
 pub use gguf::{GgufFile, GgufTensorInfo, MetaArray, MetaValue};

@@ -1,4 +1,4 @@
-//! GGUF <-> Hugging Face tensor names, and the shapes a Llama-family config implies.
+//! GGUF <-> Hugging Face tensor names, and the shapes a config of a supported family implies.
 
 use crate::config::ModelConfig;
 
@@ -14,10 +14,12 @@ const GLOBAL: &[(&str, &str)] = &[
     ("output", "lm_head"),
 ];
 
-/// Per-layer tensors (after the layer index).
+/// Per-layer tensors (after the layer index), llama.cpp's `tensor_mapping.py` names.
 const PER_LAYER: &[(&str, &str)] = &[
     ("attn_norm", "input_layernorm"),
     ("ffn_norm", "post_attention_layernorm"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
     ("attn_q", "self_attn.q_proj"),
     ("attn_k", "self_attn.k_proj"),
     ("attn_v", "self_attn.v_proj"),
@@ -26,6 +28,32 @@ const PER_LAYER: &[(&str, &str)] = &[
     ("ffn_up", "mlp.up_proj"),
     ("ffn_down", "mlp.down_proj"),
 ];
+
+/// Gemma 2/3's sandwich norms: HF `post_attention_layernorm` is the norm on the attention
+/// output (GGUF `post_attention_norm`), and the pre-MLP norm is `pre_feedforward_layernorm`
+/// (GGUF `ffn_norm`); these override [`PER_LAYER`] for those architectures.
+const PER_LAYER_GEMMA: &[(&str, &str)] = &[
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+];
+
+/// GGUF architectures whose per-layer names follow [`PER_LAYER_GEMMA`].
+const GEMMA_ARCHS: &[&str] = &["gemma2", "gemma3"];
+
+/// The per-layer name table of a GGUF architecture: overrides first.
+fn per_layer(arch: &str) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    let over: &[(&str, &str)] = if GEMMA_ARCHS.contains(&arch) {
+        PER_LAYER_GEMMA
+    } else {
+        &[]
+    };
+    over.iter().chain(
+        PER_LAYER
+            .iter()
+            .filter(move |(g, h)| !over.iter().any(|(og, oh)| og == g || oh == h)),
+    )
+}
 
 /// Parameter suffixes that map one to one.
 const SUFFIXES: &[&str] = &["weight", "bias"];
@@ -58,14 +86,20 @@ fn split_layer<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str)> {
     Some((idx.parse().ok()?, rest))
 }
 
-/// HF name of a GGUF tensor; unknown tensors keep their name under [`GGUF_ONLY_PREFIX`].
+/// HF name of a GGUF tensor of a Llama-architecture file; unknown tensors keep their name
+/// under [`GGUF_ONLY_PREFIX`].
 pub fn gguf_to_hf(name: &str) -> String {
+    gguf_to_hf_arch("llama", name)
+}
+
+/// HF name of a GGUF tensor of architecture `arch` (`general.architecture`).
+pub fn gguf_to_hf_arch(arch: &str, name: &str) -> String {
     let mapped = split_suffix(name).and_then(|(stem, suffix)| {
         if let Some((_, hf)) = GLOBAL.iter().find(|(g, _)| *g == stem) {
             return Some(format!("{hf}.{suffix}"));
         }
         let (layer, part) = split_layer(stem, GGUF_LAYER_PREFIX)?;
-        let (_, hf) = PER_LAYER.iter().find(|(g, _)| *g == part)?;
+        let (_, hf) = per_layer(arch).find(|(g, _)| *g == part)?;
         Some(format!("{HF_LAYER_PREFIX}{layer}.{hf}.{suffix}"))
     });
     mapped.unwrap_or_else(|| format!("{GGUF_ONLY_PREFIX}{name}"))
@@ -73,6 +107,11 @@ pub fn gguf_to_hf(name: &str) -> String {
 
 /// GGUF name of a HF tensor, if it is one [`gguf_to_hf`] produces.
 pub fn hf_to_gguf(name: &str) -> Option<String> {
+    hf_to_gguf_arch("llama", name)
+}
+
+/// GGUF name of a HF tensor for architecture `arch`, if [`gguf_to_hf_arch`] produces it.
+pub fn hf_to_gguf_arch(arch: &str, name: &str) -> Option<String> {
     if let Some(raw) = name.strip_prefix(GGUF_ONLY_PREFIX) {
         return Some(raw.to_string());
     }
@@ -81,7 +120,7 @@ pub fn hf_to_gguf(name: &str) -> Option<String> {
         return Some(format!("{g}.{suffix}"));
     }
     let (layer, part) = split_layer(stem, HF_LAYER_PREFIX)?;
-    let (g, _) = PER_LAYER.iter().find(|(_, h)| *h == part)?;
+    let (g, _) = per_layer(arch).find(|(_, h)| *h == part)?;
     Some(format!("{GGUF_LAYER_PREFIX}{layer}.{g}.{suffix}"))
 }
 
@@ -101,7 +140,12 @@ pub fn expected_shape(cfg: &ModelConfig, name: &str) -> Option<Vec<usize>> {
     }
     let (_, part) = split_layer(name, HF_LAYER_PREFIX)?;
     Some(match part {
-        "input_layernorm.weight" | "post_attention_layernorm.weight" => vec![h],
+        "input_layernorm.weight"
+        | "post_attention_layernorm.weight"
+        | "pre_feedforward_layernorm.weight"
+        | "post_feedforward_layernorm.weight"
+        | "self_attn.o_proj.bias" => vec![h],
+        "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![cfg.head_dim()],
         "self_attn.q_proj.weight" => vec![q, h],
         "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![kv, h],
         "self_attn.o_proj.weight" => vec![h, q],
@@ -113,7 +157,29 @@ pub fn expected_shape(cfg: &ModelConfig, name: &str) -> Option<Vec<usize>> {
     })
 }
 
-/// HF names every Llama-family checkpoint with this config must contain.
+/// Per-layer HF tensors a config's switches add to [`LAYER_TENSORS`].
+fn family_layer_tensors(cfg: &ModelConfig) -> Vec<&'static str> {
+    let mut t = Vec::new();
+    if cfg.attention_bias {
+        t.extend([
+            "self_attn.q_proj.bias",
+            "self_attn.k_proj.bias",
+            "self_attn.v_proj.bias",
+        ]);
+    }
+    if cfg.qk_norm {
+        t.extend(["self_attn.q_norm.weight", "self_attn.k_norm.weight"]);
+    }
+    if cfg.sandwich_norms {
+        t.extend([
+            "pre_feedforward_layernorm.weight",
+            "post_feedforward_layernorm.weight",
+        ]);
+    }
+    t
+}
+
+/// HF names every checkpoint with this config must contain.
 pub fn required_tensors(cfg: &ModelConfig) -> Vec<String> {
     required_tensors_iter(cfg).collect()
 }
@@ -125,9 +191,15 @@ pub fn required_tensors_iter(cfg: &ModelConfig) -> impl Iterator<Item = String> 
         .into_iter()
         .chain((!cfg.tie_word_embeddings).then_some("lm_head.weight"))
         .map(str::to_string);
-    let layers = (0..cfg.num_hidden_layers).flat_map(|layer| {
-        LAYER_TENSORS
-            .iter()
+    let per_layer: Vec<&'static str> = LAYER_TENSORS
+        .iter()
+        .copied()
+        .chain(family_layer_tensors(cfg))
+        .collect();
+    let layers = (0..cfg.num_hidden_layers).flat_map(move |layer| {
+        per_layer
+            .clone()
+            .into_iter()
             .map(move |t| format!("{HF_LAYER_PREFIX}{layer}.{t}"))
     });
     globals.chain(layers)
@@ -155,6 +227,51 @@ mod tests {
         ] {
             assert_eq!(gguf_to_hf(g), h);
             assert_eq!(hf_to_gguf(h).as_deref(), Some(g));
+        }
+    }
+
+    #[test]
+    fn family_names() {
+        for (arch, g, h) in [
+            (
+                "qwen2",
+                "blk.3.attn_k.bias",
+                "model.layers.3.self_attn.k_proj.bias",
+            ),
+            (
+                "qwen3",
+                "blk.0.attn_q_norm.weight",
+                "model.layers.0.self_attn.q_norm.weight",
+            ),
+            (
+                "qwen3",
+                "blk.0.ffn_norm.weight",
+                "model.layers.0.post_attention_layernorm.weight",
+            ),
+            (
+                "gemma3",
+                "blk.1.ffn_norm.weight",
+                "model.layers.1.pre_feedforward_layernorm.weight",
+            ),
+            (
+                "gemma3",
+                "blk.1.post_attention_norm.weight",
+                "model.layers.1.post_attention_layernorm.weight",
+            ),
+            (
+                "gemma3",
+                "blk.1.post_ffw_norm.weight",
+                "model.layers.1.post_feedforward_layernorm.weight",
+            ),
+            (
+                "gemma3",
+                "blk.1.attn_k_norm.weight",
+                "model.layers.1.self_attn.k_norm.weight",
+            ),
+            ("gemma3", "output_norm.weight", "model.norm.weight"),
+        ] {
+            assert_eq!(gguf_to_hf_arch(arch, g), h, "{arch} {g}");
+            assert_eq!(hf_to_gguf_arch(arch, h).as_deref(), Some(g), "{arch} {h}");
         }
     }
 }

@@ -385,7 +385,9 @@ impl Llama {
     }
 
     /// Training-free maps from each upper layer's own K/V projection applied to its input-normed
-    /// `h_split` (the starting point of SwiftKV): `W_l = diag(g_l) · [Wk_l | Wv_l]`, no intercept.
+    /// `h_split` (the starting point of SwiftKV): `W_l = diag(g_l) · [Wk_l | Wv_l]`, intercept the
+    /// K/V biases (zero without). A q/k-norm model's K is not linear in its input; these maps
+    /// leave that norm out.
     pub fn own_proj_maps(&self, split: usize) -> Result<FillMaps> {
         self.check_split(split)?;
         let (q_dim, kv_dim) = (self.config.q_dim(), self.config.kv_dim());
@@ -395,7 +397,11 @@ impl Llama {
             .map(|layer| {
                 let g = layer.input_layernorm.clone().unsqueeze_dim::<2>(1);
                 let w = layer.qkv_proj.clone().narrow(1, q_dim, 2 * kv_dim) * g;
-                Tensor::cat(vec![w, zero_row.clone()], 0)
+                let intercept = match &layer.qkv_bias {
+                    Some(b) => b.clone().narrow(0, q_dim, 2 * kv_dim).unsqueeze_dim::<2>(0),
+                    None => zero_row.clone(),
+                };
+                Tensor::cat(vec![w, intercept], 0)
             })
             .collect();
         Ok(FillMaps {
@@ -424,7 +430,7 @@ impl Llama {
         let b = h_split.dims()[0];
         // One GEMM for every upper layer's K and V.
         let y = self.linear(self.fill_features(h_split), &maps.w);
-        let (k, v) = self.split_fill(y, upper, b, pos);
+        let (k, v) = self.split_fill(y, maps.split, upper, b, pos);
         for i in 0..upper {
             let kl = k.clone().narrow(0, i, 1);
             let vl = v.clone().narrow(0, i, 1);
@@ -432,13 +438,39 @@ impl Llama {
         }
     }
 
-    /// Every upper layer's K, rotated at its row's position, and V out of the fill GEMM's output.
+    /// Every upper layer's K, rotated at its row's position, and V out of the fill GEMM's output
+    /// for layers `first..first + upper`; layers with different RoPE tables are split apart.
     ///
     /// # Shapes
     /// - y: `[b, upper·2·kv_heads·hd]` → k and v `[upper, kv_heads, b, hd]`
     fn split_fill(
         &self,
         y: Tensor<2>,
+        first: usize,
+        upper: usize,
+        b: usize,
+        pos: usize,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let same_rope =
+            (first..first + upper).all(|l| std::ptr::eq(self.rope_of(l), self.rope_of(first)));
+        if same_rope {
+            return self.split_fill_rope(y, self.rope_of(first), upper, b, pos);
+        }
+        let kv2 = 2 * self.config.kv_dim();
+        let (ks, vs): (Vec<_>, Vec<_>) = (0..upper)
+            .map(|i| {
+                let yi = y.clone().narrow(1, i * kv2, kv2);
+                self.split_fill_rope(yi, self.rope_of(first + i), 1, b, pos)
+            })
+            .unzip();
+        (Tensor::cat(ks, 0), Tensor::cat(vs, 0))
+    }
+
+    /// [`Llama::split_fill`] for layers that all rotate with `rope`.
+    fn split_fill_rope(
+        &self,
+        y: Tensor<2>,
+        rope: &crate::rope::Rope,
         upper: usize,
         b: usize,
         pos: usize,
@@ -446,7 +478,7 @@ impl Llama {
         let (kvh, hd) = (self.config.num_key_value_heads, self.config.head_dim());
         #[cfg(feature = "flex")]
         if self.cpu_kernels {
-            return crate::cpu::fill_kv(y, upper, kvh, hd, self.rope.host(pos));
+            return crate::cpu::fill_kv(y, upper, kvh, hd, rope.host(pos));
         }
         // [b, upper·2·kvh, hd] → [upper, 2, kvh, b, hd]
         let y = y
@@ -456,7 +488,7 @@ impl Llama {
         let k = y.clone().narrow(1, 0, 1).reshape([1, upper * kvh, b, hd]);
         let v = y.narrow(1, 1, 1).reshape([upper, kvh, b, hd]);
         // One RoPE op over every upper layer's keys.
-        let k = self.rope.apply(k, pos).reshape([upper, kvh, b, hd]);
+        let k = rope.apply(k, pos).reshape([upper, kvh, b, hd]);
         (k, v)
     }
 
@@ -608,7 +640,7 @@ impl Llama {
         );
         let t = tail.dims()[0];
         let q = self.qkv(l, tail).narrow(1, 0, heads * hd);
-        let q = self.rope.apply(self.split_heads(q, heads), tail0);
+        let q = self.rope_of(l).apply(self.split_heads(q, heads), tail0);
         let (k, _) = cache.read(l);
         let keys = k.dims()[2];
         let group = heads / kvh;
@@ -616,14 +648,22 @@ impl Llama {
             .unsqueeze_dim::<5>(2)
             .expand([1, kvh, group, keys, hd])
             .reshape([1, heads, keys, hd]);
-        let scale = 1.0 / (hd as f64).sqrt();
         let logits = q
             .matmul(k.swap_dims(2, 3))
-            .mul_scalar(scale)
+            .mul_scalar(cfg.attention_scale())
             .cast(FloatDType::F32);
-        // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i.
+        let logits = match cfg.attn_logit_softcapping {
+            Some(cap) => crate::llama::softcap(logits, cap),
+            None => logits,
+        };
+        // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i (the last `window` of them
+        // on a sliding-window layer).
+        let window = self.layers[l].window.unwrap_or(usize::MAX);
         let bits: Vec<bool> = (0..t)
-            .flat_map(|i| (0..keys).map(move |j| j > tail0 + i))
+            .flat_map(|i| {
+                let lo = (tail0 + i + 1).saturating_sub(window);
+                (0..keys).map(move |j| j > tail0 + i || j < lo)
+            })
             .collect();
         let mask =
             Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, t, keys]), &self.device)
@@ -690,7 +730,7 @@ impl Llama {
                 w = w + p.clone().matmul(m.clone().matmul(resid));
             }
             let y = self.linear(x_all.clone(), &w);
-            let (k, v) = self.split_fill(y, 1, n, 0);
+            let (k, v) = self.split_fill(y, l, 1, n, 0);
             cache.append(l, k, v);
             if let Some(o) = oracle {
                 o.restore(l, cache)?;

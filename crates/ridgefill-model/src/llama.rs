@@ -1,7 +1,12 @@
-//! The Llama architecture (Llama 2/3, SmolLM/SmolLM2, TinyLlama, Mistral without sliding window).
+//! The decoder: one implementation for every supported family (Llama 2/3, SmolLM/SmolLM2,
+//! TinyLlama, Mistral, Qwen2/2.5, Qwen3, Gemma 3), their differences data on [`ModelConfig`]
+//! and optional per-layer tensors: q/k/v biases, per-head q/k RMSNorm, Gemma's sandwich norms,
+//! the MLP activation, embedding scale, attention scale and soft-caps, and per-layer attention
+//! windows and RoPE bases. The type keeps its historical name, `Llama`.
 //!
 //! Fields are named after the Hugging Face tensor keys; projection weights are stored transposed
-//! (`[in, out]`) so every projection is a plain `x · W`.
+//! (`[in, out]`) so every projection is a plain `x · W`. Norm weights are stored as applied (for
+//! Gemma's `(1 + w)` norms the `1 +` is added on load).
 
 use std::ops::Range;
 
@@ -9,7 +14,7 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData, activation};
 use ridgefill_io::checkpoint::Checkpoint;
-use ridgefill_io::config::ModelConfig;
+use ridgefill_io::config::{Activation, ModelConfig};
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
@@ -54,18 +59,33 @@ fn store(cache: &mut KvCache, layer: usize, k: Tensor<4>, v: Tensor<4>, at: At) 
 }
 
 /// Architectures this file implements (HF `model_type`).
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3_text"];
 
 /// One decoder block.
 pub struct LlamaLayer {
     pub input_layernorm: Tensor<1>,
     /// HF `q_proj`, `k_proj`, `v_proj` side by side, `[hidden, q_dim + 2·kv_dim]`: one GEMM.
     pub qkv_proj: Tensor<2>,
+    /// Their biases side by side, `[q_dim + 2·kv_dim]` (Qwen2; zeros for a missing part).
+    pub qkv_bias: Option<Tensor<1>>,
+    /// Per-head RMSNorm weights of Q and K, `[head_dim]` (Qwen3, Gemma 3).
+    pub q_norm: Option<Tensor<1>>,
+    pub k_norm: Option<Tensor<1>>,
     pub o_proj: Tensor<2>,
+    /// `[hidden]`, when the checkpoint has one.
+    pub o_bias: Option<Tensor<1>>,
+    /// Llama: the pre-MLP norm. With sandwich norms (Gemma 3): the norm of the attention output.
     pub post_attention_layernorm: Tensor<1>,
+    /// Sandwich norms only: before and after the MLP.
+    pub pre_feedforward_layernorm: Option<Tensor<1>>,
+    pub post_feedforward_layernorm: Option<Tensor<1>>,
     /// HF `gate_proj` and `up_proj` side by side, `[hidden, 2·intermediate]`: one GEMM.
     pub gate_up_proj: Tensor<2>,
     pub down_proj: Tensor<2>,
+    /// Keys a query sees (itself included) on a sliding-window layer; `None` for full attention.
+    pub window: Option<usize>,
+    /// Rotates with [`Llama::rope_local`] (Gemma 3's sliding layers) instead of [`Llama::rope`].
+    pub local_rope: bool,
 }
 
 pub struct Llama {
@@ -75,11 +95,16 @@ pub struct Llama {
     pub norm: Tensor<1>,
     /// Output head, transposed: `[hidden, vocab]` (a copy of the embedding when tied).
     pub lm_head: Tensor<2>,
+    /// RoPE of full-attention layers (and of every layer without a local base).
     pub rope: Rope,
+    /// RoPE of sliding-window layers with their own base (Gemma 3), without `rope_scaling`.
+    pub rope_local: Option<Rope>,
     pub device: Device,
     pub dtype: FloatDType,
     /// Run norms, RoPE, attention and SwiGLU through the fused flex kernels ([`crate::cpu`]); on
     /// by default where they apply (flex, f32), off to compare against the plain burn ops.
+    /// Blocks with features the fused attention and MLP lack run the plain ops regardless
+    /// ([`Llama::fused_block`]).
     pub cpu_kernels: bool,
 }
 
@@ -131,7 +156,48 @@ impl Loader<'_> {
 
     fn vector(&self, name: &str, len: usize) -> Result<Tensor<1>> {
         let data = self.host(name, &[len])?;
-        Ok(Tensor::<1>::from_data(TensorData::new(data, [len]), self.device).cast(self.dtype))
+        Ok(self.upload(data))
+    }
+
+    fn upload(&self, data: Vec<f32>) -> Tensor<1> {
+        let len = data.len();
+        Tensor::<1>::from_data(TensorData::new(data, [len]), self.device).cast(self.dtype)
+    }
+
+    /// A norm weight as applied: the stored weight plus the config's offset (Gemma's `1 + w`).
+    fn norm(&self, name: &str, len: usize) -> Result<Tensor<1>> {
+        let offset = self.ckpt.config.norm_weight_offset as f32;
+        let mut data = self.host(name, &[len])?;
+        if offset != 0.0 {
+            data.iter_mut().for_each(|x| *x += offset);
+        }
+        Ok(self.upload(data))
+    }
+
+    /// [`Loader::norm`] when the checkpoint has the tensor.
+    fn opt_norm(&self, name: &str, len: usize) -> Result<Option<Tensor<1>>> {
+        if self.ckpt.has_tensor(name) {
+            self.norm(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Biases of consecutive output parts side by side (zeros for a part without one), or
+    /// `None` when no part has one.
+    fn fused_bias(&self, parts: &[(String, usize)]) -> Result<Option<Tensor<1>>> {
+        if !parts.iter().any(|(n, _)| self.ckpt.has_tensor(n)) {
+            return Ok(None);
+        }
+        let mut data = Vec::new();
+        for (name, len) in parts {
+            if self.ckpt.has_tensor(name) {
+                data.extend(self.host(name, &[*len])?);
+            } else {
+                data.extend(std::iter::repeat_n(0.0, *len));
+            }
+        }
+        Ok(Some(self.upload(data)))
     }
 
     /// Loads an HF `[out, in]` weight and stores it as `[in, out]`.
@@ -177,12 +243,36 @@ fn rope_divisors(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Option<Vec<f64>
             let d = ckpt.tensor_f32(GGUF_ROPE_FREQS)?;
             Ok(Some(d.into_iter().map(f64::from).collect()))
         }
+        Some("linear") => {
+            let f = sc.factor.unwrap_or(1.0);
+            Ok(Some(vec![f; cfg.head_dim() / 2]))
+        }
         Some("default") | None => Ok(None),
         Some(other) => Err(ModelError::Invalid(format!(
-            "{}: unsupported rope_scaling type {other:?} (supported: llama3)",
+            "{}: unsupported rope_scaling type {other:?} (supported: llama3, linear)",
             ckpt.path.display()
         ))),
     }
+}
+
+/// The model's RoPE tables: the global one (with `divisors`), and the local one of sliding
+/// layers when the config gives them their own base.
+pub(crate) fn ropes(
+    cfg: &ModelConfig,
+    divisors: Option<&[f64]>,
+    max_positions: usize,
+    dtype: FloatDType,
+    device: &Device,
+) -> (Rope, Option<Rope>) {
+    let hd = cfg.head_dim();
+    let rope = Rope::new(hd, cfg.rope_theta, divisors, max_positions, dtype, device);
+    let local = (0..cfg.num_hidden_layers)
+        .any(|l| cfg.layer_uses_local_rope(l))
+        .then(|| {
+            let theta = cfg.rope_local_base_freq.unwrap_or(cfg.rope_theta);
+            Rope::new(hd, theta, None, max_positions, dtype, device)
+        });
+    (rope, local)
 }
 
 /// Host-side transpose of a row-major `[rows, cols]` matrix into a `[cols, rows]` tensor.
@@ -230,21 +320,57 @@ impl Llama {
         let kv_dim = cfg.kv_dim();
         let ff = cfg.intermediate_size;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let hd = cfg.head_dim();
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
+            let attn = |part: &str, what: &str| format!("{p}.self_attn.{part}.{what}");
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(ld.norm(&attn("q_norm", "weight"), hd)?),
+                    Some(ld.norm(&attn("k_norm", "weight"), hd)?),
+                )
+            } else {
+                (None, None)
+            };
+            let (pre_ff, post_ff) = if cfg.sandwich_norms {
+                (
+                    Some(ld.norm(&format!("{p}.pre_feedforward_layernorm.weight"), d)?),
+                    Some(ld.norm(&format!("{p}.post_feedforward_layernorm.weight"), d)?),
+                )
+            } else {
+                (
+                    ld.opt_norm(&format!("{p}.pre_feedforward_layernorm.weight"), d)?,
+                    ld.opt_norm(&format!("{p}.post_feedforward_layernorm.weight"), d)?,
+                )
+            };
+            let o_bias_name = attn("o_proj", "bias");
             layers.push(LlamaLayer {
-                input_layernorm: ld.vector(&format!("{p}.input_layernorm.weight"), d)?,
+                input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), d)?,
                 qkv_proj: ld.fused_t(
                     &[
-                        (format!("{p}.self_attn.q_proj.weight"), q_dim),
-                        (format!("{p}.self_attn.k_proj.weight"), kv_dim),
-                        (format!("{p}.self_attn.v_proj.weight"), kv_dim),
+                        (attn("q_proj", "weight"), q_dim),
+                        (attn("k_proj", "weight"), kv_dim),
+                        (attn("v_proj", "weight"), kv_dim),
                     ],
                     d,
                 )?,
-                o_proj: ld.linear_t(&format!("{p}.self_attn.o_proj.weight"), d, q_dim)?,
+                qkv_bias: ld.fused_bias(&[
+                    (attn("q_proj", "bias"), q_dim),
+                    (attn("k_proj", "bias"), kv_dim),
+                    (attn("v_proj", "bias"), kv_dim),
+                ])?,
+                q_norm,
+                k_norm,
+                o_proj: ld.linear_t(&attn("o_proj", "weight"), d, q_dim)?,
+                o_bias: if ckpt.has_tensor(&o_bias_name) {
+                    Some(ld.vector(&o_bias_name, d)?)
+                } else {
+                    None
+                },
                 post_attention_layernorm: ld
-                    .vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                    .norm(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                pre_feedforward_layernorm: pre_ff,
+                post_feedforward_layernorm: post_ff,
                 gate_up_proj: ld.fused_t(
                     &[
                         (format!("{p}.mlp.gate_proj.weight"), ff),
@@ -253,6 +379,8 @@ impl Llama {
                     d,
                 )?,
                 down_proj: ld.linear_t(&format!("{p}.mlp.down_proj.weight"), d, ff)?,
+                window: cfg.layer_window(i),
+                local_rope: cfg.layer_uses_local_rope(i),
             });
         }
         let embed_tokens = ld.matrix("model.embed_tokens.weight", cfg.vocab_size, d)?;
@@ -262,11 +390,10 @@ impl Llama {
             "lm_head.weight"
         };
         let lm_head = ld.linear_t(head_name, cfg.vocab_size, d)?;
-        let norm = ld.vector("model.norm.weight", d)?;
+        let norm = ld.norm("model.norm.weight", d)?;
         let divisors = rope_divisors(ckpt, &cfg)?;
-        let rope = Rope::new(
-            cfg.head_dim(),
-            cfg.rope_theta,
+        let (rope, rope_local) = ropes(
+            &cfg,
             divisors.as_deref(),
             opts.max_positions,
             opts.dtype,
@@ -279,6 +406,7 @@ impl Llama {
             norm,
             lm_head,
             rope,
+            rope_local,
             device: device.clone(),
             dtype: opts.dtype,
             cpu_kernels,
@@ -316,7 +444,41 @@ impl Llama {
         }
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
-        Ok(self.embed_tokens.clone().select(0, ids))
+        let x = self.embed_tokens.clone().select(0, ids);
+        Ok(match self.config.embed_scale {
+            // HF rounds the scale to the activation dtype before multiplying (Gemma).
+            Some(s) => {
+                let s = Tensor::<1>::from_data(TensorData::new(vec![s as f32], [1]), &self.device)
+                    .cast(self.dtype);
+                x * s.unsqueeze_dim::<2>(0)
+            }
+            None => x,
+        })
+    }
+
+    /// The RoPE tables layer `l` rotates with.
+    pub fn rope_of(&self, l: usize) -> &Rope {
+        match (&self.rope_local, self.layers[l].local_rope) {
+            (Some(r), true) => r,
+            _ => &self.rope,
+        }
+    }
+
+    /// Whether layer `l`'s attention and MLP run through the fused flex kernels: they implement
+    /// full causal attention at `head_dim^-1/2` without soft-cap, SwiGLU and the Llama norm
+    /// placement; other blocks take the plain burn ops.
+    pub fn fused_block(&self, l: usize) -> bool {
+        let layer = &self.layers[l];
+        let c = &self.config;
+        self.cpu_kernels
+            && layer.window.is_none()
+            && layer.o_bias.is_none()
+            && layer.pre_feedforward_layernorm.is_none()
+            && layer.post_feedforward_layernorm.is_none()
+            && !c.sandwich_norms
+            && c.hidden_act == Activation::Silu
+            && c.query_pre_attn_scalar.is_none()
+            && c.attn_logit_softcapping.is_none()
     }
 
     /// `x · w` through the flex GEMM without burn-flex's extra output passes where the fused
@@ -464,7 +626,27 @@ impl Llama {
     pub(crate) fn qkv(&self, l: usize, h: Tensor<2>) -> Tensor<2> {
         let layer = &self.layers[l];
         let x = self.rms_norm(h, Some(&layer.input_layernorm));
-        self.linear(x, &layer.qkv_proj)
+        let y = self.linear(x, &layer.qkv_proj);
+        let y = match &layer.qkv_bias {
+            Some(b) => y + b.clone().unsqueeze_dim::<2>(0),
+            None => y,
+        };
+        let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) else {
+            return y;
+        };
+        // Per-head RMSNorm of Q and K (pre-RoPE): the K the cache and the fill maps see.
+        let c = &self.config;
+        let (hd, q_dim, kv_dim) = (c.head_dim(), c.q_dim(), c.kv_dim());
+        let m = y.dims()[0];
+        let per_head = |x: Tensor<2>, w: &Tensor<1>, width: usize| {
+            let heads = width / hd;
+            self.rms_norm(x.reshape([m * heads, hd]), Some(w))
+                .reshape([m, width])
+        };
+        let q = per_head(y.clone().narrow(1, 0, q_dim), qn, q_dim);
+        let k = per_head(y.clone().narrow(1, q_dim, kv_dim), kn, kv_dim);
+        let v = y.narrow(1, q_dim + kv_dim, kv_dim);
+        Tensor::cat(vec![q, k, v], 1)
     }
 
     /// The rest of the block once the rows' Q/K/V projection is known: RoPE, cache write,
@@ -490,11 +672,12 @@ impl Llama {
         );
         let q_dim = heads * hd;
         let kv_pre = qkv.clone().narrow(1, q_dim, 2 * kv_heads * hd);
+        let rope = self.rope_of(l);
         #[cfg(feature = "flex")]
-        if self.cpu_kernels {
+        if self.fused_block(l) {
             let rot = match at {
-                At::Next(pos) => self.rope.host(pos),
-                At::Rows(p) => self.rope.host_at(0, p),
+                At::Next(pos) => rope.host(pos),
+                At::Rows(p) => rope.host_at(0, p),
             };
             let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, rot);
             let seen = store(cache, l, k, v, at);
@@ -507,30 +690,57 @@ impl Llama {
             return (crate::cpu::matmul_add(act, &layer.down_proj, h), kv_pre);
         }
         let rotate = |x: Tensor<4>| match at {
-            At::Next(pos) => self.rope.apply(x, pos),
-            At::Rows(p) => self.rope.apply_at(x, p),
+            At::Next(pos) => rope.apply(x, pos),
+            At::Rows(p) => rope.apply_at(x, p),
         };
         let q = rotate(self.split_heads(qkv.narrow(1, 0, q_dim), heads));
         let (k, v) = self.split_kv(kv_pre.clone());
         let seen = store(cache, l, rotate(k), v, at);
         let (k_all, v_all) = cache.read(l);
-        let attn = self.attend(q, k_all, v_all, heads, kv_heads, &seen);
+        let attn = self.attend(q, k_all, v_all, heads, kv_heads, &seen, layer.window);
         let attn = attn.swap_dims(1, 2).reshape([m, heads * hd]);
-        let h = h + attn.matmul(layer.o_proj.clone());
+        let mut out = attn.matmul(layer.o_proj.clone());
+        if let Some(b) = &layer.o_bias {
+            out = out + b.clone().unsqueeze_dim::<2>(0);
+        }
+        let (pre_mlp, post_mlp) = if cfg.sandwich_norms {
+            // Gemma 3: the attention output is normed before the residual add, and the MLP
+            // sits between its own pre- and post-norms.
+            out = self.rms_norm(out, Some(&layer.post_attention_layernorm));
+            (
+                layer.pre_feedforward_layernorm.as_ref(),
+                layer.post_feedforward_layernorm.as_ref(),
+            )
+        } else {
+            (Some(&layer.post_attention_layernorm), None)
+        };
+        let h = h + out;
 
-        let x = self.rms_norm(h.clone(), Some(&layer.post_attention_layernorm));
+        let x = self.rms_norm(h.clone(), pre_mlp);
         let ff = cfg.intermediate_size;
         let gate_up = x.matmul(layer.gate_up_proj.clone());
-        let gate = activation::silu(gate_up.clone().narrow(1, 0, ff));
+        let gate = gate_up.clone().narrow(1, 0, ff);
+        let gate = match cfg.hidden_act {
+            Activation::Silu => activation::silu(gate),
+            Activation::GeluTanh => gelu_tanh(gate),
+        };
         let up = gate_up.narrow(1, ff, ff);
-        (h + (gate * up).matmul(layer.down_proj.clone()), kv_pre)
+        let y = (gate * up).matmul(layer.down_proj.clone());
+        let y = match post_mlp {
+            Some(w) => self.rms_norm(y, Some(w)),
+            None => y,
+        };
+        (h + y, kv_pre)
     }
 
     /// Causal grouped-query attention over all `t` cached positions: query `i` sees the first
-    /// `seen[i]` keys, or with `seen` empty the queries are the last `m` positions.
+    /// `seen[i]` keys, or with `seen` empty the queries are the last `m` positions; with a
+    /// `window`, only the last `window` of those (the layer's slots are taken to be consecutive
+    /// positions, as they are everywhere but in the `drop` baseline's upper layers).
     ///
     /// # Shapes
     /// - q: `[1, heads, m, hd]`, k/v: `[1, kv_heads, t, hd]` → `[1, heads, m, hd]`
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         q: Tensor<4>,
@@ -539,6 +749,7 @@ impl Llama {
         heads: usize,
         kv_heads: usize,
         seen: &[usize],
+        window: Option<usize>,
     ) -> Tensor<4> {
         let group = heads / kv_heads;
         let [_, _, t, hd] = k.dims();
@@ -553,18 +764,28 @@ impl Llama {
             (rep(k), rep(v))
         };
         let m = q.dims()[2];
+        let seen: Vec<usize> = if seen.is_empty() && window.is_some() {
+            (0..m).map(|i| t - m + i + 1).collect()
+        } else {
+            seen.to_vec()
+        };
         let mask = (!seen.is_empty()).then(|| {
+            let w = window.unwrap_or(usize::MAX);
             let bits: Vec<bool> = seen
                 .iter()
-                .flat_map(|&s| (0..t).map(move |j| j >= s))
+                .flat_map(|&s| {
+                    let lo = s.saturating_sub(w);
+                    (0..t).map(move |j| j >= s || j < lo)
+                })
                 .collect();
             Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, m, t]), &self.device)
                 .expand([1, heads, m, t])
         });
         // Without a mask, causal masking is aligned bottom-right: query i sits at t - m + i.
+        let c = &self.config;
         let opts = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
+            scale: c.query_pre_attn_scalar.map(|_| c.attention_scale()),
+            softcap: c.attn_logit_softcapping,
             is_causal: mask.is_none(),
         };
         attention(q, k, v, mask, None, opts)
@@ -575,7 +796,11 @@ impl Llama {
     /// # Shapes
     /// - h: `[m, hidden]` → `[m, vocab]`
     pub fn head(&self, h: Tensor<2>) -> Tensor<2> {
-        self.linear(self.rms_norm(h, Some(&self.norm)), &self.lm_head)
+        let logits = self.linear(self.rms_norm(h, Some(&self.norm)), &self.lm_head);
+        match self.config.final_logit_softcapping {
+            Some(cap) => softcap(logits, cap),
+            None => logits,
+        }
     }
 
     /// Full prefill of `tokens` after the cache's current contents; returns last-position logits.
@@ -631,4 +856,18 @@ impl Llama {
         let picked = logp.gather(1, targets).neg();
         Ok(crate::to_host_f32(picked))
     }
+}
+
+/// `cap · tanh(x / cap)`.
+pub(crate) fn softcap<const D: usize>(x: Tensor<D>, cap: f64) -> Tensor<D> {
+    x.div_scalar(cap).tanh().mul_scalar(cap)
+}
+
+/// GELU, tanh approximation (PyTorch's `gelu(approximate="tanh")`); `x·x·x` rather than a
+/// power, which GPUs leave undefined for negative bases.
+fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    let cube = x.clone() * x.clone() * x.clone();
+    let inner = (x.clone() + cube.mul_scalar(0.044_715)).mul_scalar(SQRT_2_OVER_PI);
+    x * inner.tanh().add_scalar(1.0).mul_scalar(0.5)
 }

@@ -7,7 +7,6 @@ use ridgefill_io::config::ModelConfig;
 
 use crate::error::{ModelError, Result};
 use crate::llama::{Llama, LlamaLayer};
-use crate::rope::Rope;
 
 /// Model names accepted after `synthetic:`.
 pub const SHAPES: &[&str] = &["smollm2-135m", "llama-1b"];
@@ -79,6 +78,12 @@ impl Gen<'_> {
         Tensor::<1>::from_data(TensorData::new(data, [len]), self.device).cast(self.dtype)
     }
 
+    /// Values uniform in `[-spread, spread)`.
+    fn vector(&mut self, len: usize, spread: f32) -> Tensor<1> {
+        let data = self.values(len, |r| spread * r);
+        Tensor::<1>::from_data(TensorData::new(data, [len]), self.device).cast(self.dtype)
+    }
+
     fn values(&mut self, n: usize, f: impl Fn(f32) -> f32) -> Vec<f32> {
         // One stream per tensor, so a tensor's values do not depend on the ones made before it.
         self.tensor += 1;
@@ -105,28 +110,51 @@ impl Llama {
             device,
             dtype,
         };
-        let layers = (0..config.num_hidden_layers)
-            .map(|_| LlamaLayer {
+        let hd = config.head_dim();
+        // The base tensors first, in the same order as always, so a Llama config's weights do
+        // not depend on the switches other families add.
+        let mut layers: Vec<LlamaLayer> = (0..config.num_hidden_layers)
+            .map(|l| LlamaLayer {
                 input_layernorm: g.norm(d),
                 qkv_proj: g.matrix(d, q_dim + 2 * kv_dim, d),
+                qkv_bias: None,
+                q_norm: None,
+                k_norm: None,
                 o_proj: g.matrix(q_dim, d, q_dim),
+                o_bias: None,
                 post_attention_layernorm: g.norm(d),
+                pre_feedforward_layernorm: None,
+                post_feedforward_layernorm: None,
                 gate_up_proj: g.matrix(d, 2 * ff, d),
                 down_proj: g.matrix(ff, d, ff),
+                window: config.layer_window(l),
+                local_rope: config.layer_uses_local_rope(l),
             })
             .collect();
         // Embedding rows of unit scale; the head is the tied embedding, transposed.
         let embed_tokens = g.matrix(config.vocab_size, d, 1);
-        let lm_head = embed_tokens.clone().transpose() / (d as f32).sqrt();
+        let mut lm_head = embed_tokens.clone().transpose() / (d as f32).sqrt();
         let norm = g.norm(d);
-        let rope = Rope::new(
-            config.head_dim(),
-            config.rope_theta,
-            None,
-            max_positions.max(1),
-            dtype,
-            device,
-        );
+        // The family's optional tensors.
+        for layer in &mut layers {
+            if config.attention_bias {
+                // Biases of the scale of a projection's output.
+                layer.qkv_bias = Some(g.vector(q_dim + 2 * kv_dim, 0.5));
+            }
+            if config.qk_norm {
+                layer.q_norm = Some(g.norm(hd));
+                layer.k_norm = Some(g.norm(hd));
+            }
+            if config.sandwich_norms {
+                layer.pre_feedforward_layernorm = Some(g.norm(d));
+                layer.post_feedforward_layernorm = Some(g.norm(d));
+            }
+        }
+        if !config.tie_word_embeddings {
+            lm_head = g.matrix(d, config.vocab_size, d);
+        }
+        let (rope, rope_local) =
+            crate::llama::ropes(&config, None, max_positions.max(1), dtype, device);
         Ok(Self {
             config,
             embed_tokens,
@@ -134,6 +162,7 @@ impl Llama {
             norm,
             lm_head,
             rope,
+            rope_local,
             device: device.clone(),
             dtype,
             cpu_kernels,
