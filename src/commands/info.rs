@@ -55,7 +55,8 @@ pub fn run(a: Args) -> Result<()> {
     }
     let tok = &ckpt.tokenizer;
     println!(
-        "tokenizer:    vocab {} | bos {:?} | eos {:?}",
+        "tokenizer:    {} | vocab {} | bos {:?} | eos {:?}",
+        tok.kind(),
         tok.vocab_size(),
         tok.bos_id(),
         tok.eos_ids()

@@ -8,6 +8,8 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{IoError, Result};
+use crate::gguf::GgufFile;
+use crate::tokenizer::Tokenizer;
 
 /// Name the template is registered under inside its environment.
 const TEMPLATE_NAME: &str = "chat_template";
@@ -61,6 +63,52 @@ thread_local! {
 const EPOCH_WEEKDAY: i64 = 3;
 /// Abbreviated month/day names are the first three letters.
 const ABBREV: usize = 3;
+
+/// GGUF key holding the Jinja chat template.
+pub const KEY_CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+
+/// Gemma 3's chat template, verbatim from google/gemma-3-*-it `tokenizer_config.json`; llama.cpp's
+/// Gemma 3 GGUFs (e.g. the 270M base model) often carry none.
+pub const GEMMA3_CHAT_TEMPLATE: &str = include_str!("templates/gemma3.jinja");
+
+/// The template RidgeFill ships for an architecture (`general.architecture` of a GGUF, or
+/// `model_type` of a HF config) whose files often lack one.
+pub fn builtin_template(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        "gemma3" | "gemma3_text" => Some(GEMMA3_CHAT_TEMPLATE),
+        _ => None,
+    }
+}
+
+/// A GGUF's chat template: `tokenizer.chat_template`, else the built-in one for its architecture
+/// ([`builtin_template`]), else `None`. `bos_token` / `eos_token` are the texts of the tokenizer's
+/// BOS and of `eos_id` (the first EOS id when `None`).
+pub fn gguf_template(
+    file: &GgufFile,
+    tokenizer: &Tokenizer,
+    eos_id: Option<u32>,
+) -> Result<Option<ChatTemplate>> {
+    let text = |id: Option<u32>| {
+        id.and_then(|i| tokenizer.id_to_token(i))
+            .unwrap_or_default()
+    };
+    let bos = text(tokenizer.bos_id());
+    let eos = text(eos_id.or_else(|| tokenizer.eos_ids().first().copied()));
+    if let Some(src) = file.opt_str(KEY_CHAT_TEMPLATE)? {
+        return ChatTemplate::with_origin(src.to_string(), bos, eos, file.path()).map(Some);
+    }
+    let arch = file.opt_str("general.architecture")?.unwrap_or_default();
+    match builtin_template(arch) {
+        Some(src) => {
+            let origin = format!(
+                "{} (no {KEY_CHAT_TEMPLATE}: built-in {arch} template)",
+                file.path().display()
+            );
+            ChatTemplate::with_origin(src.to_string(), bos, eos, Path::new(&origin)).map(Some)
+        }
+        None => Ok(None),
+    }
+}
 
 /// One chat turn.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod hf;
 pub mod names;
 pub mod quant;
+mod spm;
 pub mod stats;
 pub mod text;
 pub mod tokenizer;

@@ -1,7 +1,9 @@
-//! Tokenizer wrapper: HF `tokenizer.json`, or byte-level BPE rebuilt from GGUF metadata.
+//! Tokenizer wrapper: HF `tokenizer.json`, byte-level BPE rebuilt from GGUF metadata, or
+//! SentencePiece BPE from GGUF metadata (see [`crate::spm`] for why that one is hand-written).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -18,12 +20,15 @@ use tokenizers::{
 
 use crate::error::{IoError, Result};
 use crate::gguf::GgufFile;
+use crate::spm::{PieceKind, SpmModel, SpmSpec, SpmStream};
 
 /// GGUF keys of the tokenizer.
 pub const KEY_MODEL: &str = "tokenizer.ggml.model";
 pub const KEY_PRE: &str = "tokenizer.ggml.pre";
 pub const KEY_TOKENS: &str = "tokenizer.ggml.tokens";
 pub const KEY_MERGES: &str = "tokenizer.ggml.merges";
+pub const KEY_SCORES: &str = "tokenizer.ggml.scores";
+pub const KEY_UNK: &str = "tokenizer.ggml.unknown_token_id";
 pub const KEY_TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
 pub const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
 pub const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
@@ -38,7 +43,7 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// Tokenizer models we can rebuild from GGUF.
-const SUPPORTED_MODELS: &str = "\"gpt2\" (byte-level BPE)";
+const SUPPORTED_MODELS: &str = "\"gpt2\" (byte-level BPE), \"llama\" (SentencePiece BPE)";
 /// Pre-tokenizer names (`tokenizer.ggml.pre`) we can rebuild.
 const SUPPORTED_PRE: &str =
     "\"default\", \"gpt2\", \"smollm\", \"llama-bpe\", \"llama3\", \"qwen2\"";
@@ -61,10 +66,19 @@ const END_OF_TURN_TOKENS: &[&str] = &[
     "<|end_of_text|>",
 ];
 
+/// The encoder behind a [`Tokenizer`].
+#[derive(Clone)]
+enum Backend {
+    /// HF `tokenizers` (tokenizer.json, or byte-level BPE rebuilt from GGUF).
+    Hf(Box<tokenizers::Tokenizer>),
+    /// SentencePiece BPE from GGUF (shared: the vocabulary can be large).
+    Spm(Arc<SpmModel>),
+}
+
 /// A text tokenizer plus the special ids a generator needs.
 #[derive(Clone)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Backend,
     path: PathBuf,
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
@@ -103,21 +117,44 @@ type InnerDecodeStream<'a> = tokenizers::DecodeStream<
     DecoderWrapper,
 >;
 
+enum StreamInner<'a> {
+    Hf(Box<InnerDecodeStream<'a>>),
+    Spm {
+        model: &'a SpmModel,
+        state: SpmStream,
+        skip_special: bool,
+    },
+}
+
 /// Incremental detokeniser that only emits complete UTF-8 text (HF `DecodeStream`).
 pub struct StreamDecoder<'a> {
-    inner: InnerDecodeStream<'a>,
+    inner: StreamInner<'a>,
     path: &'a Path,
 }
 
 impl StreamDecoder<'_> {
     /// Feeds one id; returns newly completed text, or `None` while a character is incomplete.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
-        self.inner.step(id).map_err(|e| IoError::Tokenizer {
+        let fail = |message: String| IoError::Tokenizer {
             path: self.path.to_path_buf(),
             what: format!("stream decode of id {id}"),
-            message: e.to_string(),
-        })
+            message,
+        };
+        match &mut self.inner {
+            StreamInner::Hf(s) => s.step(id).map_err(|e| fail(e.to_string())),
+            StreamInner::Spm {
+                model,
+                state,
+                skip_special,
+            } => state
+                .push(model, id, *skip_special)
+                .map_err(|_| fail(out_of_range(id, model.vocab_size()))),
+        }
     }
+}
+
+fn out_of_range(id: u32, vocab: usize) -> String {
+    format!("id {id} is out of range: the vocabulary has {vocab} tokens")
 }
 
 impl Tokenizer {
@@ -156,7 +193,7 @@ impl Tokenizer {
             }
         }
         let mut tok = Tokenizer {
-            inner,
+            inner: Backend::Hf(Box::new(inner)),
             path: path.to_path_buf(),
             bos_id,
             eos_ids,
@@ -164,8 +201,8 @@ impl Tokenizer {
         };
         tok.add_end_of_turn_tokens();
         // HF adds BOS through the post-processor; detect it so add_bos() reports the truth.
-        tok.add_bos = match (tok.bos_id, tok.inner.encode("", true)) {
-            (Some(bos), Ok(enc)) => enc.get_ids().first() == Some(&bos),
+        tok.add_bos = match (tok.bos_id, tok.encode("", true)) {
+            (Some(bos), Ok(ids)) => ids.first() == Some(&bos),
             _ => false,
         };
         Ok(tok)
@@ -175,13 +212,17 @@ impl Tokenizer {
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
         let path = g.path();
         let model = g.get_str(KEY_MODEL)?;
-        if model != "gpt2" {
-            return Err(IoError::UnsupportedTokenizer {
-                path: path.to_path_buf(),
-                field: KEY_MODEL.into(),
-                kind: model.to_string(),
-                supported: SUPPORTED_MODELS.into(),
-            });
+        match model {
+            "gpt2" => {}
+            "llama" => return Self::from_gguf_spm(g),
+            _ => {
+                return Err(IoError::UnsupportedTokenizer {
+                    path: path.to_path_buf(),
+                    field: KEY_MODEL.into(),
+                    kind: model.to_string(),
+                    supported: SUPPORTED_MODELS.into(),
+                });
+            }
         }
         let tokens = g.get_str_array(KEY_TOKENS)?;
         let merges = g.get_str_array(KEY_MERGES)?;
@@ -245,18 +286,7 @@ impl Tokenizer {
         inner.add_special_tokens(&special);
         inner.add_tokens(&user);
 
-        let id_opt = |key: &str| -> Result<Option<u32>> {
-            match g.opt_u32(key)? {
-                Some(id) if (id as usize) < tokens.len() => Ok(Some(id)),
-                Some(id) => Err(IoError::BadMetadata {
-                    path: path.to_path_buf(),
-                    key: key.to_string(),
-                    expected: format!("a token id below {}", tokens.len()),
-                    found: id.to_string(),
-                }),
-                None => Ok(None),
-            }
-        };
+        let id_opt = |key: &str| token_id(g, key, tokens.len());
         let bos_id = id_opt(KEY_BOS)?;
         let eos_id = id_opt(KEY_EOS)?;
         let mut eos_ids: Vec<u32> = [eos_id, id_opt(KEY_EOT)?, id_opt(KEY_EOM)?]
@@ -300,7 +330,80 @@ impl Tokenizer {
         }
 
         let mut tok = Tokenizer {
-            inner,
+            inner: Backend::Hf(Box::new(inner)),
+            path: path.to_path_buf(),
+            bos_id,
+            eos_ids,
+            add_bos,
+        };
+        tok.add_end_of_turn_tokens();
+        Ok(tok)
+    }
+
+    /// SentencePiece BPE (`tokenizer.ggml.model = "llama"`) from tokens, scores and token types.
+    fn from_gguf_spm(g: &GgufFile) -> Result<Tokenizer> {
+        let path = g.path();
+        let tokens = g.get_str_array(KEY_TOKENS)?;
+        let n = tokens.len();
+        let per_token = |key: &str, found: usize| IoError::BadMetadata {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            expected: format!("{n} entries (one per token)"),
+            found: found.to_string(),
+        };
+        let scores = g.get_float_array(KEY_SCORES)?;
+        if scores.len() != n {
+            return Err(per_token(KEY_SCORES, scores.len()));
+        }
+        let kinds = match g.opt_int_array(KEY_TOKEN_TYPE)? {
+            None => vec![PieceKind::Normal; n],
+            Some(t) if t.len() != n => return Err(per_token(KEY_TOKEN_TYPE, t.len())),
+            Some(t) => t
+                .iter()
+                .enumerate()
+                .map(|(i, &ty)| {
+                    PieceKind::from_gguf(ty).ok_or_else(|| IoError::BadMetadata {
+                        path: path.to_path_buf(),
+                        key: format!("{KEY_TOKEN_TYPE}[{i}]"),
+                        expected: "a token type 0..=6".into(),
+                        found: ty.to_string(),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        if u32::try_from(n).is_err() {
+            return Err(IoError::Tokenizer {
+                path: path.to_path_buf(),
+                what: KEY_TOKENS.into(),
+                message: format!("more than {} tokens", u32::MAX),
+            });
+        }
+        let id_opt = |key: &str| token_id(g, key, n);
+        let bos_id = id_opt(KEY_BOS)?;
+        let eos_id = id_opt(KEY_EOS)?;
+        let unk_id = id_opt(KEY_UNK)?.or_else(|| {
+            kinds
+                .iter()
+                .position(|k| *k == PieceKind::Unknown)
+                .map(|i| i as u32)
+        });
+        let mut eos_ids: Vec<u32> = [eos_id, id_opt(KEY_EOT)?, id_opt(KEY_EOM)?]
+            .into_iter()
+            .flatten()
+            .collect();
+        eos_ids.dedup();
+        // llama.cpp's defaults for SentencePiece vocabularies: BOS added, a space prefix.
+        let add_bos = g.opt_bool(KEY_ADD_BOS)?.unwrap_or(true) && bos_id.is_some();
+        let add_space_prefix = g.opt_bool(KEY_ADD_SPACE_PREFIX)?.unwrap_or(true);
+        let model = SpmModel::new(SpmSpec {
+            tokens: tokens.to_vec(),
+            scores: scores.iter().map(|&s| s as f32).collect(),
+            kinds,
+            unk_id,
+            add_space_prefix,
+        });
+        let mut tok = Tokenizer {
+            inner: Backend::Spm(Arc::new(model)),
             path: path.to_path_buf(),
             bos_id,
             eos_ids,
@@ -312,16 +415,24 @@ impl Tokenizer {
 
     /// Adds known end-of-turn special tokens (e.g. `<|im_end|>`) to the EOS set.
     fn add_end_of_turn_tokens(&mut self) {
-        let added = self.inner.get_added_tokens_decoder();
-        let specials: HashSet<&str> = added
-            .values()
-            .filter(|t| t.special)
-            .map(|t| t.content.as_str())
-            .collect();
+        let specials: HashSet<String> = match &self.inner {
+            Backend::Hf(t) => t
+                .get_added_tokens_decoder()
+                .values()
+                .filter(|t| t.special)
+                .map(|t| t.content.clone())
+                .collect(),
+            Backend::Spm(m) => m
+                .control_ids()
+                .filter_map(|id| m.id_to_token(id))
+                .filter(|t| END_OF_TURN_TOKENS.contains(t))
+                .map(str::to_string)
+                .collect(),
+        };
         let extra: Vec<u32> = END_OF_TURN_TOKENS
             .iter()
             .filter(|t| specials.contains(**t))
-            .filter_map(|t| self.inner.token_to_id(t))
+            .filter_map(|t| self.token_to_id(t))
             .collect();
         for id in extra {
             if !self.eos_ids.contains(&id) {
@@ -330,33 +441,59 @@ impl Tokenizer {
         }
     }
 
+    fn error(&self, what: &str, message: String) -> IoError {
+        IoError::Tokenizer {
+            path: self.path.clone(),
+            what: what.into(),
+            message,
+        }
+    }
+
     /// Encodes text; with `add_special`, BOS/EOS are added as the model's settings say.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        self.inner
-            .encode(text, add_special)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| IoError::Tokenizer {
-                path: self.path.clone(),
-                what: "encode".into(),
-                message: e.to_string(),
-            })
+        match &self.inner {
+            Backend::Hf(t) => t
+                .encode(text, add_special)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| self.error("encode", e.to_string())),
+            Backend::Spm(m) => {
+                let mut ids = Vec::with_capacity(text.len() / 3 + 1);
+                if add_special
+                    && self.add_bos
+                    && let Some(bos) = self.bos_id
+                {
+                    ids.push(bos);
+                }
+                ids.extend(m.encode(text).map_err(|e| self.error("encode", e.0))?);
+                Ok(ids)
+            }
+        }
     }
 
     /// Decodes ids to text, optionally dropping special tokens.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| IoError::Tokenizer {
-                path: self.path.clone(),
-                what: "decode".into(),
-                message: e.to_string(),
-            })
+        match &self.inner {
+            Backend::Hf(t) => t
+                .decode(ids, skip_special)
+                .map_err(|e| self.error("decode", e.to_string())),
+            Backend::Spm(m) => m
+                .decode(ids, skip_special)
+                .map_err(|id| self.error("decode", out_of_range(id, m.vocab_size()))),
+        }
     }
 
     /// A streaming decoder borrowing this tokenizer.
     pub fn stream_decoder(&self, skip_special: bool) -> StreamDecoder<'_> {
+        let inner = match &self.inner {
+            Backend::Hf(t) => StreamInner::Hf(Box::new(t.decode_stream(skip_special))),
+            Backend::Spm(m) => StreamInner::Spm {
+                model: m,
+                state: SpmStream::default(),
+                skip_special,
+            },
+        };
         StreamDecoder {
-            inner: self.inner.decode_stream(skip_special),
+            inner,
             path: &self.path,
         }
     }
@@ -378,27 +515,62 @@ impl Tokenizer {
 
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Backend::Hf(t) => t.get_vocab_size(true),
+            Backend::Spm(m) => m.vocab_size(),
+        }
     }
 
     /// Id of an exact token text.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.inner {
+            Backend::Hf(t) => t.token_to_id(token),
+            Backend::Spm(m) => m.token_to_id(token),
+        }
     }
 
     /// Text of a token id.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        match &self.inner {
+            Backend::Hf(t) => t.id_to_token(id),
+            Backend::Spm(m) => m.id_to_token(id).map(str::to_string),
+        }
     }
 
-    /// The wrapped `tokenizers` tokenizer.
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+    /// The wrapped `tokenizers` tokenizer; `None` for SentencePiece vocabularies from GGUF,
+    /// which RidgeFill encodes itself.
+    pub fn inner(&self) -> Option<&tokenizers::Tokenizer> {
+        match &self.inner {
+            Backend::Hf(t) => Some(t),
+            Backend::Spm(_) => None,
+        }
+    }
+
+    /// The tokenizer model: `"sentencepiece-bpe"` or `"hf"` (tokenizer.json or byte-level BPE).
+    pub fn kind(&self) -> &'static str {
+        match &self.inner {
+            Backend::Hf(_) => "hf",
+            Backend::Spm(_) => "sentencepiece-bpe",
+        }
     }
 
     /// The file the tokenizer was read from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// An optional token id in metadata key `key`, checked against the vocabulary size.
+fn token_id(g: &GgufFile, key: &str, n_tokens: usize) -> Result<Option<u32>> {
+    match g.opt_u32(key)? {
+        Some(id) if (id as usize) < n_tokens => Ok(Some(id)),
+        Some(id) => Err(IoError::BadMetadata {
+            path: g.path().to_path_buf(),
+            key: key.to_string(),
+            expected: format!("a token id below {n_tokens}"),
+            found: id.to_string(),
+        }),
+        None => Ok(None),
     }
 }
 

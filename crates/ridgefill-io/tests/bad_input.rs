@@ -207,16 +207,32 @@ fn missing_tokenizer_gguf() {
 #[test]
 fn unsupported_tokenizer_model() {
     let dir = tmp();
-    let path = dir.path().join("spm.gguf");
+    let path = dir.path().join("unigram.gguf");
     let mut w = gguf_writer(&tiny(), &Faults::default());
-    w.add_meta("tokenizer.ggml.model", "llama");
+    // T5's SentencePiece unigram model: not one RidgeFill rebuilds.
+    w.add_meta("tokenizer.ggml.model", "t5");
     w.write(&path).unwrap();
     let err = open_err(&path);
     assert!(
         matches!(err, IoError::UnsupportedTokenizer { .. }),
         "{err:?}"
     );
-    assert_names(&err, &path, &["tokenizer.ggml.model", "\"llama\""]);
+    assert_names(
+        &err,
+        &path,
+        &["tokenizer.ggml.model", "\"t5\"", "\"llama\""],
+    );
+}
+
+#[test]
+fn sentencepiece_tokenizer_needs_scores() {
+    let dir = tmp();
+    let path = dir.path().join("spm.gguf");
+    let mut w = gguf_writer(&tiny(), &Faults::default());
+    w.add_meta("tokenizer.ggml.model", "llama");
+    w.write(&path).unwrap();
+    let err = open_err(&path);
+    assert_names(&err, &path, &["tokenizer.ggml.scores", "missing"]);
 }
 
 /// Byte offset of the `offset` field of tensor `name` inside a GGUF written by [`GgufWriter`].
