@@ -12,8 +12,6 @@ use crate::hf::{HfDir, SafetensorsSet};
 use crate::names::{expected_shape, gguf_to_hf_arch, hf_layer_index, required_tensors_iter};
 use crate::tokenizer::Tokenizer;
 
-/// GGUF key holding the Jinja chat template.
-const KEY_CHAT_TEMPLATE: &str = "tokenizer.chat_template";
 /// llama.cpp's converter permutes Q/K rows only for these architectures.
 const PERMUTED_QK_ARCHS: &[&str] = &["llama", "mistral"];
 const Q_PROJ_SUFFIX: &str = "self_attn.q_proj.weight";
@@ -113,18 +111,9 @@ impl Checkpoint {
         let path = path.as_path();
         let config = ModelConfig::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let chat_template = match file.opt_str(KEY_CHAT_TEMPLATE)? {
-            Some(src) => {
-                let text = |id: Option<u32>| {
-                    id.and_then(|i| tokenizer.id_to_token(i))
-                        .unwrap_or_default()
-                };
-                let bos = text(tokenizer.bos_id());
-                let eos = text(config.eos_ids().first().copied());
-                Some(ChatTemplate::with_origin(src.to_string(), bos, eos, path)?)
-            }
-            None => None,
-        };
+        // The file's template, else the family's built-in one (Gemma 3's GGUF ships none).
+        let chat_template =
+            crate::chat::gguf_template(&file, &tokenizer, config.eos_ids().first().copied())?;
         let arch = file.architecture()?.to_string();
         let by_hf = file
             .tensors()
