@@ -638,6 +638,12 @@ fn rows() -> Vec<Row> {
             &["calibration:"],
         ),
         r(
+            "eval --oracle without a retrieval task",
+            eval(&["--fill", "good.fill", "--text", "latin1.txt", "--oracle"]),
+            USAGE,
+            &["--oracle", "--task"],
+        ),
+        r(
             "non-UTF-8 evaluation text",
             eval(&["--fill", "good.fill", "--text", "latin1.txt"]),
             ERR,
