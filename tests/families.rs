@@ -435,6 +435,61 @@ fn sliding_window_longer_than_the_prompt_is_full_attention() {
     }
 }
 
+/// Sliding-window layers above the split fill only the rows an exact row can reach: logits and
+/// decode steps past the prompt equal filling every row, with plain fill and with chosen spans,
+/// and the unreachable rows really are left unwritten.
+#[test]
+fn sliding_layers_fill_only_rows_in_reach() {
+    const N: usize = 40;
+    const DECODE: usize = 6;
+    let cfg = gemma3();
+    let slides = cfg.layer_window(2).expect("layer 2 slides");
+    for cpu_kernels in [true, false] {
+        let m = model(&cfg, cpu_kernels);
+        let ids = prompt(N + DECODE, cfg.vocab_size);
+        let maps = random_maps(&m, 1);
+        let every = maps.filling_unread();
+        let plain = FillRows {
+            sink: 1,
+            tail: 3,
+            ..FillRows::default()
+        };
+        let spans = FillRows {
+            exact: 0.25,
+            span: 1,
+            ..plain
+        };
+        for rows in [plain, spans] {
+            let run = |maps: &FillMaps| {
+                let mut cache = m.new_cache(N + DECODE);
+                let mut out = vec![to_host_f32(
+                    m.prefill_fill(&ids[..N], &mut cache, maps, rows).unwrap(),
+                )];
+                for &t in &ids[N..] {
+                    out.push(to_host_f32(m.decode_step(t, &mut cache).unwrap()));
+                }
+                (out, cache)
+            };
+            let (got, cache) = run(&maps);
+            let (want, full_cache) = run(&every);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                let d = common::max_abs_diff(a, b);
+                assert!(
+                    d < 1e-5,
+                    "kernels {cpu_kernels} {rows:?} step {i}: max |Δ| {d}"
+                );
+            }
+            // Row 5 is out of every exact row's reach on plain fill: never written.
+            let row = |c: &ridgefill::model::KvCache| to_host_f32(c.read(2).0.narrow(2, 5, 1));
+            assert!(row(&full_cache).iter().any(|&x| x != 0.0));
+            if rows == plain {
+                assert!(N - 3 > 5 + slides);
+                assert!(row(&cache).iter().all(|&x| x == 0.0), "row 5 was filled");
+            }
+        }
+    }
+}
+
 /// The fused flex kernels still take every Qwen block (biases and q/k norms live in the
 /// projection), and no Gemma 3 block.
 #[test]

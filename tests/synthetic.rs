@@ -333,6 +333,7 @@ fn wgpu_matches_flex_on_tiny_model() {
         split: 1,
         w: maps.w.clone().to_device(&dev.device),
         adapt: None,
+        fill_unread: false,
     };
     let rows = FillRows {
         sink: 1,

@@ -121,6 +121,7 @@ struct Row {
     #[serde(flatten)]
     header: Header,
     test: String,
+    /// `full`, `fill`, or `fill-all-rows` (sliding-window layers filled in unread rows too).
     mode: &'static str,
     split: Option<usize>,
     fill_maps: Option<&'static str>,
@@ -168,13 +169,20 @@ struct Series {
 /// The modes compared on a device.
 struct Modes<'a> {
     fill: Option<(&'a FillMaps, &'static str)>,
+    /// The same maps filling sliding-window layers' unread rows too, when the model has such
+    /// layers above the split: prefill rows show what leaving them out saves.
+    fill_unread: Option<FillMaps>,
     rows: FillRows,
 }
 
 impl Modes<'_> {
-    fn list(&self) -> Vec<Option<&FillMaps>> {
+    /// Full, then fill, then (for prefill tests) fill of every row.
+    fn list(&self, prefill: bool) -> Vec<Option<&FillMaps>> {
         let mut v = vec![None];
         if let Some((m, _)) = self.fill {
+            v.push(Some(m));
+        }
+        if let (true, Some(m)) = (prefill, &self.fill_unread) {
             v.push(Some(m));
         }
         v
@@ -234,10 +242,11 @@ impl Runner<'_> {
 /// Runs `run` for every mode, alternating the order each repetition so drift hits both alike.
 fn alternate(
     modes: &Modes,
+    prefill: bool,
     reps: usize,
     mut run: impl FnMut(Option<&FillMaps>) -> Result<f64>,
 ) -> Result<Vec<Series>> {
-    let list = modes.list();
+    let list = modes.list(prefill);
     for m in &list {
         run(*m)?; // warm-up: kernels compiled and autotuned, buffers allocated
     }
@@ -454,7 +463,17 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
     let model = &loaded.model;
     let mut own = None;
     let (fill, rows) = load_modes(a, &loaded, &mut own)?;
-    let modes = Modes { fill, rows };
+    // Only worth a row where some layer above the split slides.
+    let sliding_above =
+        |m: &FillMaps| (m.split..model.num_layers()).any(|l| model.layers[l].window.is_some());
+    let fill_unread = fill
+        .filter(|(m, _)| sliding_above(m))
+        .map(|(m, _)| m.filling_unread());
+    let modes = Modes {
+        fill,
+        fill_unread,
+        rows,
+    };
     let backend = loaded.device.backend;
     let ceil = ceilings(backend, a.no_probe);
     let header = Header {
@@ -492,13 +511,14 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
             continue;
         }
         eprintln!("bench: {backend} pp{n}");
-        let series = alternate(&modes, a.reps, |m| runner.time_pp(n, m, modes.rows))?;
+        let series = alternate(&modes, true, a.reps, |m| runner.time_pp(n, m, modes.rows))?;
         let flops = |m: Option<&FillMaps>| {
             let skip = m.map(|m| Skip {
                 split: m.split,
                 rows: modes.rows,
                 filled: true,
                 adapt: m.adapt.is_some(),
+                fill_unread: m.fill_unread,
             });
             prefill_flops(&model.config, n, skip)
         };
@@ -512,7 +532,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
     }
     if a.n_gen > 0 {
         eprintln!("bench: {backend} tg{} @ d{}", a.n_gen, a.n_depth);
-        let series = alternate(&modes, a.reps, |m| {
+        let series = alternate(&modes, false, a.reps, |m| {
             runner.time_tg(a.n_depth, a.n_gen, m, modes.rows)
         })?;
         // Mean context over the generated tokens.
@@ -555,7 +575,7 @@ fn make_rows(
     };
     let full_ts: Vec<f64> = series[0].secs.iter().map(|s| tokens as f64 / s).collect();
     modes
-        .list()
+        .list(matches!(kind, RowKind::Pp { .. }))
         .into_iter()
         .zip(series)
         .map(|(m, s)| {
@@ -583,7 +603,11 @@ fn make_rows(
             Row {
                 header: header.clone(),
                 test: test.clone(),
-                mode: if m.is_some() { "fill" } else { "full" },
+                mode: match m {
+                    None => "full",
+                    Some(m) if m.fill_unread => "fill-all-rows",
+                    Some(_) => "fill",
+                },
                 split: m.map(|m| m.split),
                 fill_maps,
                 n_sink: m.map(|_| modes.rows.sink),
@@ -677,6 +701,7 @@ fn render_md(rows: &[Row]) -> String {
         }
         let mode = match (r.mode, r.split) {
             ("fill", Some(sp)) => format!("fill s={sp}"),
+            ("fill-all-rows", Some(sp)) => format!("fill s={sp}, every row"),
             (m, _) => m.to_string(),
         };
         let ttft = r.ttft_ms.map_or("".into(), |t| format!("{t:.1}"));

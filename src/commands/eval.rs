@@ -161,6 +161,12 @@ impl Runner {
 
     /// Prefill FLOPs of an `n`-token prompt against full prefill's.
     pub fn flops_ratio(&self, cfg: &ModelConfig, n: usize) -> f64 {
+        self.flops_ratio_with(cfg, n, false)
+    }
+
+    /// [`Runner::flops_ratio`], with sliding-window layers' unread rows filled too when
+    /// `fill_unread` (what leaving them out saves).
+    pub fn flops_ratio_with(&self, cfg: &ModelConfig, n: usize, fill_unread: bool) -> f64 {
         let skip = match self.method {
             EvalMethod::Full => None,
             _ => Some(Skip {
@@ -168,6 +174,7 @@ impl Runner {
                 rows: self.rows,
                 filled: self.maps.is_some(),
                 adapt: self.maps.as_ref().is_some_and(|m| m.adapt.is_some()),
+                fill_unread,
             }),
         };
         prefill_flops(cfg, n, skip) / prefill_flops(cfg, n, None)
@@ -455,6 +462,7 @@ fn text(
                 "top1": s.top1 as f64 / t,
                 "exact": r.rows.exact,
                 "flops_ratio": r.flops_ratio(cfg, a.prefix),
+                "flops_ratio_every_row": r.flops_ratio_with(cfg, a.prefix, true),
             }),
         );
     }
@@ -481,13 +489,26 @@ fn text(
         a.cont,
         header.describe()
     );
-    println!("| method | NLL | KL(full‖method) | top-1 | prefill FLOPs |");
-    println!("|---|---:|---:|---:|---:|");
+    // Sliding-window layers above the split fill only the rows an exact row can reach.
+    let sliding = (header.split..cfg.num_hidden_layers).any(|l| cfg.layer_window(l).is_some());
+    println!(
+        "| method | NLL | KL(full‖method) | top-1 | prefill FLOPs |{}",
+        if sliding { " filling every row |" } else { "" }
+    );
+    println!(
+        "|---|---:|---:|---:|---:|{}",
+        if sliding { "---:|" } else { "" }
+    );
     for r in runners {
         let m = &methods[r.name()];
         let f = |key: &str| m[key].as_f64().unwrap_or(f64::NAN);
+        let every = if sliding {
+            format!(" {:.3} |", f("flops_ratio_every_row"))
+        } else {
+            String::new()
+        };
         println!(
-            "| {} | {:.4} | {:.4} | {:.3} | {:.3} |",
+            "| {} | {:.4} | {:.4} | {:.3} | {:.3} |{every}",
             r.name(),
             f("nll"),
             f("kl"),

@@ -625,6 +625,7 @@ pub fn fit_fill_split_search(
             rows: opts.method_rows(),
             filled: true,
             adapt: opts.method == FillMethod::SpansAdapt,
+            fill_unread: false,
         };
         let trial = SplitTrial {
             split,

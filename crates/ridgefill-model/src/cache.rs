@@ -86,6 +86,13 @@ impl KvCache {
         self.lens[layer] = at + m;
     }
 
+    /// Counts `m` more slots of `layer` as filled without writing them: for slots no query
+    /// reads (masked out of a sliding window), which keep whatever the storage holds.
+    pub fn reserve(&mut self, layer: usize, m: usize) {
+        debug_assert!(self.lens[layer] + m <= self.capacity);
+        self.lens[layer] += m;
+    }
+
     /// Overwrites `layer`'s filled slots `at..at+m` with `k`, `v` (`[1, kv_heads, m, head_dim]`).
     pub fn overwrite(&mut self, layer: usize, at: usize, k: Tensor<4>, v: Tensor<4>) {
         let m = k.dims()[2];

@@ -148,6 +148,11 @@ fn attention_flops(c: &ModelConfig, keys: usize) -> f64 {
     4.0 * keys as f64 * c.q_dim() as f64
 }
 
+/// One row through layer `l` seeing `keys` keys (at most its window on a sliding layer).
+fn row_flops(c: &ModelConfig, l: usize, keys: usize) -> f64 {
+    token_layer_flops(c) + attention_flops(c, keys.min(c.layer_window(l).unwrap_or(usize::MAX)))
+}
+
 /// A skip method, as far as its cost goes.
 #[derive(Clone, Copy, Debug)]
 pub struct Skip {
@@ -157,45 +162,63 @@ pub struct Skip {
     pub filled: bool,
     /// Maps updated per prompt from the exact rows.
     pub adapt: bool,
+    /// Sliding-window layers filled in every row, read or not ([`FillMaps::fill_unread`]).
+    pub fill_unread: bool,
+}
+
+/// Rows the fill writes in layer `l` of an `n`-row prompt: all of them on a full-attention
+/// layer; on a sliding one those within its window of an exact row (spans counted as if spread
+/// apart, each reaching a window of its own).
+pub fn filled_rows(c: &ModelConfig, l: usize, n: usize, rows: FillRows) -> usize {
+    let Some(bulk) = rows.bulk(n) else {
+        return 0;
+    };
+    let Some(window) = c.layer_window(l) else {
+        return n;
+    };
+    let spans = rows.span_count(n);
+    let reach = window.saturating_sub(1) * (1 + spans);
+    bulk.len().min(reach + rows.exact_rows(n))
 }
 
 /// Prefill FLOPs of `n` tokens, by full prefill or a skip method. Chosen spans are counted at
-/// their full budget, attending on average to half the prompt.
+/// their full budget, attending on average to half the prompt; sliding-window layers count
+/// only the keys in their window.
 pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<Skip>) -> f64 {
     let layers = c.num_hidden_layers;
     let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
-    let full_rows = |count_layers: usize| -> f64 {
-        (0..n)
-            .map(|i| token_layer_flops(c) + attention_flops(c, i + 1))
-            .sum::<f64>()
-            * count_layers as f64
-    };
-    let Some(skip) = skip else {
-        return full_rows(layers) + head;
-    };
-    let Some(bulk) = skip.rows.bulk(n) else {
-        return full_rows(layers) + head;
+    let full_layer = |l: usize| -> f64 { (0..n).map(|i| row_flops(c, l, i + 1)).sum::<f64>() };
+    let bulk = skip.and_then(|s| s.rows.bulk(n).map(|b| (s, b)));
+    let Some((skip, bulk)) = bulk else {
+        return (0..layers).map(full_layer).sum::<f64>() + head;
     };
     let (sink, tail0) = (bulk.start, bulk.end);
-    let upper = (layers - skip.split) as f64;
-    let row = |keys: usize| token_layer_flops(c) + attention_flops(c, keys);
-    let mut upper_rows = 0.0;
-    for i in (0..sink).chain(tail0..n) {
-        let keys = if skip.filled || i < sink {
-            i + 1
-        } else {
-            sink + (i - tail0) + 1
-        };
-        upper_rows += row(keys);
+    let (f, kv2) = (c.hidden_size as f64 + 1.0, 2.0 * c.kv_dim() as f64);
+    let spans = skip.rows.exact_rows(n);
+    let mut total: f64 = (0..skip.split).map(full_layer).sum();
+    for l in skip.split..layers {
+        for i in (0..sink).chain(tail0..n) {
+            let keys = if skip.filled || i < sink {
+                i + 1
+            } else {
+                sink + (i - tail0) + 1
+            };
+            total += row_flops(c, l, keys);
+        }
+        if skip.filled {
+            total += spans as f64 * row_flops(c, l, sink + bulk.len() / 2 + 1);
+            // Features through the layer's maps (exact rows' slots are overwritten).
+            let rows = match skip.fill_unread {
+                true => n,
+                false => filled_rows(c, l, n, skip.rows),
+            };
+            total += rows as f64 * 2.0 * f * kv2;
+        }
     }
     if !skip.filled {
-        return full_rows(skip.split) + upper_rows * upper + head;
+        return total + head;
     }
-    let spans = skip.rows.exact_rows(n);
-    upper_rows += spans as f64 * row(sink + bulk.len() / 2 + 1);
-    let (f, kv2) = (c.hidden_size as f64 + 1.0, 2.0 * c.kv_dim() as f64);
-    // Every row's features through each upper layer's maps (exact rows' slots are overwritten).
-    let fill = n as f64 * 2.0 * f * upper * kv2;
+    let upper = (layers - skip.split) as f64;
     let (d, q) = (c.hidden_size as f64, c.q_dim() as f64);
     let scoring = if skip.rows.span_count(n) > 0 {
         let t = (n - tail0) as f64;
@@ -211,14 +234,16 @@ pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<Skip>) -> f64 {
     } else {
         0.0
     };
-    full_rows(skip.split) + upper_rows * upper + fill + scoring + adapt + head
+    total + scoring + adapt + head
 }
 
 /// FLOPs of one decode step with `ctx` positions already cached.
 pub fn decode_flops(c: &ModelConfig, ctx: usize) -> f64 {
-    let layers = c.num_hidden_layers as f64;
     let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
-    (token_layer_flops(c) + attention_flops(c, ctx + 1)) * layers + head
+    (0..c.num_hidden_layers)
+        .map(|l| row_flops(c, l, ctx + 1))
+        .sum::<f64>()
+        + head
 }
 
 /// Bytes a decode step must read with `ctx` positions cached: every weight matrix (the embedding

@@ -59,6 +59,9 @@ pub struct FillMaps {
     /// The per-prompt update of the maps from the exactly computed rows, when the fill file
     /// carries what it needs.
     pub adapt: Option<Adapt>,
+    /// Also fill sliding-window layers' rows that no exact row or decode step can reach (they
+    /// are never read): only for measuring what leaving them out saves.
+    pub fill_unread: bool,
 }
 
 /// What the per-prompt ridge update needs: the calibration precision and the exact rows' weight.
@@ -125,9 +128,8 @@ impl FillMethod {
                 }
                 Ok((
                     FillMaps {
-                        split: maps.split,
-                        w: maps.w.clone(),
                         adapt: maps.adapt.clone(),
+                        ..maps.plain()
                     },
                     rows,
                 ))
@@ -240,6 +242,37 @@ pub fn choose_spans(
     merge(runs)
 }
 
+/// Filled rows a sliding-window layer needs: those within `window` keys of an exact row
+/// (`exact` increasing; the last one is the prompt's last row, so decoding reaches no further
+/// back), less the exact rows themselves, whose slots they overwrite.
+pub fn window_reads(exact: &[usize], window: usize) -> Vec<Range<usize>> {
+    let reach = merge(
+        exact
+            .iter()
+            .map(|&p| (p + 1).saturating_sub(window)..p + 1)
+            .collect(),
+    );
+    let mut out = Vec::new();
+    let mut next_exact = exact.iter().peekable();
+    for r in reach {
+        let mut start = r.start;
+        while let Some(&&p) = next_exact.peek() {
+            if p >= r.end {
+                break;
+            }
+            if p > start {
+                out.push(start..p);
+            }
+            start = start.max(p + 1);
+            next_exact.next();
+        }
+        if start < r.end {
+            out.push(start..r.end);
+        }
+    }
+    out
+}
+
 /// Sorts ranges and merges those that overlap or touch.
 fn merge(mut spans: Vec<Range<usize>>) -> Vec<Range<usize>> {
     spans.sort_by_key(|s| s.start);
@@ -337,6 +370,7 @@ impl FillMaps {
             split,
             w: Tensor::<2>::from_data(TensorData::new(w, [rows, cols]), device).cast(dtype),
             adapt: None,
+            fill_unread: false,
         })
     }
 
@@ -369,6 +403,17 @@ impl FillMaps {
             split: self.split,
             w: self.w.clone(),
             adapt: None,
+            fill_unread: self.fill_unread,
+        }
+    }
+
+    /// The same maps filling every row of every layer, read or not (tensors are shared).
+    pub fn filling_unread(&self) -> Self {
+        Self {
+            split: self.split,
+            w: self.w.clone(),
+            adapt: self.adapt.clone(),
+            fill_unread: true,
         }
     }
 }
@@ -408,6 +453,7 @@ impl Llama {
             split,
             w: Tensor::cat(cols, 1),
             adapt: None,
+            fill_unread: false,
         })
     }
 
@@ -729,9 +775,23 @@ impl Llama {
                 let resid = truth - self.linear(xe.clone(), &w);
                 w = w + p.clone().matmul(m.clone().matmul(resid));
             }
-            let y = self.linear(x_all.clone(), &w);
-            let (k, v) = self.split_fill(y, l, 1, n, 0);
-            cache.append(l, k, v);
+            match self.layers[l].window.filter(|_| !maps.fill_unread) {
+                Some(window) => {
+                    // Only rows some exact row (or, past the tail, a decode step) can reach are
+                    // ever read; the rest keep whatever the storage holds, masked out.
+                    cache.reserve(l, n);
+                    for r in window_reads(exact, window) {
+                        let y = self.linear(x_all.clone().narrow(0, r.start, r.len()), &w);
+                        let (k, v) = self.split_fill(y, l, 1, r.len(), r.start);
+                        cache.overwrite(l, r.start, k, v);
+                    }
+                }
+                None => {
+                    let y = self.linear(x_all.clone(), &w);
+                    let (k, v) = self.split_fill(y, l, 1, n, 0);
+                    cache.append(l, k, v);
+                }
+            }
             if let Some(o) = oracle {
                 o.restore(l, cache)?;
             }
@@ -803,6 +863,17 @@ mod tests {
         );
         let rows: usize = spans.iter().map(|s| s.len()).sum();
         assert!(rows <= 5 * 17, "{rows} rows");
+    }
+
+    #[test]
+    fn a_sliding_layer_fills_only_rows_its_exact_rows_reach() {
+        // Sink 0, a span 40..43, tail 96..100, window 8.
+        let exact: Vec<usize> = [0].into_iter().chain(40..43).chain(96..100).collect();
+        assert_eq!(window_reads(&exact, 8), vec![33..40, 89..96]);
+        // A window wider than the prompt reaches every bulk row.
+        assert_eq!(window_reads(&exact, 1000), vec![1..40, 43..96]);
+        // Window 1: a row sees only itself, so nothing is filled.
+        assert!(window_reads(&exact, 1).is_empty());
     }
 
     #[test]
