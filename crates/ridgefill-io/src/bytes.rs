@@ -2,6 +2,7 @@
 
 use std::fs::File;
 use std::path::Path;
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
@@ -37,5 +38,56 @@ impl std::ops::Deref for FileBytes {
             FileBytes::Map(m) => m,
             FileBytes::Owned(v) => v,
         }
+    }
+}
+
+/// A range of a file's bytes that keeps the file (mapped or owned) alive: quantised weights
+/// point into the mapped GGUF instead of being copied.
+#[derive(Clone)]
+pub struct SharedBytes {
+    owner: Arc<FileBytes>,
+    start: usize,
+    len: usize,
+}
+
+impl SharedBytes {
+    /// `range` of `owner`, or `None` when it lies outside.
+    pub(crate) fn new(owner: &Arc<FileBytes>, range: std::ops::Range<usize>) -> Option<Self> {
+        owner.get(range.clone())?;
+        Some(Self {
+            owner: Arc::clone(owner),
+            start: range.start,
+            len: range.len(),
+        })
+    }
+
+    /// Bytes owned by this value alone (e.g. rows rearranged at load).
+    pub fn owned(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        Self {
+            owner: Arc::new(FileBytes::Owned(bytes)),
+            start: 0,
+            len,
+        }
+    }
+}
+
+impl std::ops::Deref for SharedBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.owner[self.start..self.start + self.len]
+    }
+}
+
+impl AsRef<[u8]> for SharedBytes {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl std::fmt::Debug for SharedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBytes({} bytes)", self.len)
     }
 }

@@ -4,10 +4,12 @@ use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use crate::bytes::SharedBytes;
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::{IoError, Result};
 use crate::gguf::{GGUF_MAGIC, GgufFile};
+use crate::quant::GgmlType;
 use crate::hf::{HfDir, SafetensorsSet};
 use crate::names::{expected_shape, gguf_to_hf_arch, hf_layer_index, required_tensors_iter};
 use crate::tokenizer::Tokenizer;
@@ -47,6 +49,15 @@ enum Source {
         permute_qk: bool,
     },
     Hf(SafetensorsSet),
+}
+
+/// A weight in its stored block format ([`Checkpoint::tensor_stored`]).
+#[derive(Clone, Debug)]
+pub struct StoredTensor {
+    pub ty: GgmlType,
+    /// HF (row-major) shape: `[out, in]` for a projection.
+    pub shape: Vec<usize>,
+    pub bytes: SharedBytes,
 }
 
 /// An opened model: config, tokenizer, chat template and lazily converted weights.
@@ -313,6 +324,50 @@ impl Checkpoint {
         }
     }
 
+    /// A GGUF weight as stored: its block type, HF shape and bytes (pointing into the mapped
+    /// file; Q/K rows un-permuted into a copy). `None` for a Hugging Face checkpoint.
+    pub fn tensor_stored(&self, hf_name: &str) -> Result<Option<StoredTensor>> {
+        let Source::Gguf {
+            file,
+            by_hf,
+            permute_qk,
+        } = &self.source
+        else {
+            return Ok(None);
+        };
+        let &i = by_hf.get(hf_name).ok_or_else(|| self.missing(hf_name))?;
+        let info = &file.tensors()[i];
+        let shape = info.shape_row_major();
+        let bytes = file.shared_bytes_of(info);
+        let heads = if !permute_qk {
+            None
+        } else if hf_name.ends_with(Q_PROJ_SUFFIX) {
+            Some(self.config.num_attention_heads)
+        } else if hf_name.ends_with(K_PROJ_SUFFIX) {
+            Some(self.config.num_key_value_heads)
+        } else {
+            None
+        };
+        let rows = shape.first().copied().unwrap_or(0);
+        let bytes = match heads {
+            None => bytes,
+            Some(n_heads) => SharedBytes::owned(unpermute_rows(&bytes, rows, n_heads).ok_or_else(
+                || IoError::BadTensor {
+                    path: file.path().to_path_buf(),
+                    tensor: self.display_name(hf_name),
+                    what: "rows for the Q/K un-permute".into(),
+                    expected: format!("a multiple of 2 x {n_heads} heads"),
+                    found: rows.to_string(),
+                },
+            )?),
+        };
+        Ok(Some(StoredTensor {
+            ty: info.ggml_type,
+            shape,
+            bytes,
+        }))
+    }
+
     /// Raw stored bytes of a tensor (quantised for GGUF; Q/K rows still permuted there).
     pub fn tensor_raw(&self, hf_name: &str) -> Result<&[u8]> {
         match &self.source {
@@ -354,6 +409,12 @@ impl Checkpoint {
 /// Undoes llama.cpp's Q/K permutation: within each head of `hd` rows, GGUF row `2j+s`
 /// holds HF row `s*(hd/2)+j`. Returns `None` when rows do not split into even-sized heads.
 pub fn unpermute_qk_rows(data: &[f32], rows: usize, n_heads: usize) -> Option<Vec<f32>> {
+    unpermute_rows(data, rows, n_heads)
+}
+
+/// [`unpermute_qk_rows`] over any row contents (whole quantised blocks, for instance): rows
+/// move, their elements do not.
+pub fn unpermute_rows<T: Copy + Default>(data: &[T], rows: usize, n_heads: usize) -> Option<Vec<T>> {
     if rows == 0
         || n_heads == 0
         || !rows.is_multiple_of(n_heads)
@@ -367,7 +428,7 @@ pub fn unpermute_qk_rows(data: &[f32], rows: usize, n_heads: usize) -> Option<Ve
     }
     let half = hd / 2;
     let cols = data.len() / rows;
-    let mut out = vec![0.0f32; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..n_heads {
         for j in 0..half {
             for s in 0..2 {

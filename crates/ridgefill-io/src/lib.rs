@@ -16,8 +16,9 @@ pub mod stats;
 pub mod text;
 pub mod tokenizer;
 
+pub use bytes::SharedBytes;
 pub use chat::{ChatMessage, ChatTemplate};
-pub use checkpoint::{Checkpoint, CheckpointFormat, TensorInfo};
+pub use checkpoint::{Checkpoint, CheckpointFormat, StoredTensor, TensorInfo};
 pub use config::{Activation, EosIds, Family, LayerType, ModelConfig, RopeScaling};
 pub use error::{IoError, Result};
 pub use fill::{FieldMismatch, FillDtype, FillFile, FillMeta, ModelFingerprint};

@@ -5,10 +5,11 @@ pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use value::{MetaArray, MetaValue, ValueType};
 
-use crate::bytes::FileBytes;
+use crate::bytes::{FileBytes, SharedBytes};
 use crate::error::{IoError, Result};
 use crate::quant::{self, GgmlType};
 
@@ -63,7 +64,7 @@ impl GgufTensorInfo {
 /// A memory-mapped (or in-memory) GGUF file.
 pub struct GgufFile {
     path: PathBuf,
-    mmap: FileBytes,
+    mmap: Arc<FileBytes>,
     version: u32,
     metadata: BTreeMap<String, MetaValue>,
     tensors: Vec<GgufTensorInfo>,
@@ -101,7 +102,7 @@ impl GgufFile {
         let parsed = parse(&path, &mmap)?;
         Ok(GgufFile {
             path,
-            mmap,
+            mmap: Arc::new(mmap),
             version: parsed.version,
             metadata: parsed.metadata,
             index: parsed
@@ -181,6 +182,17 @@ impl GgufFile {
             .and_then(|start| Some((start, start.checked_add(info.n_bytes)?)))
             .and_then(|(s, e)| Some(usize::try_from(s).ok()?..usize::try_from(e).ok()?));
         range.and_then(|r| self.mmap.get(r)).unwrap_or(&[])
+    }
+
+    /// [`GgufFile::bytes_of`] as a range that keeps the mapping alive (empty when out of range).
+    pub fn shared_bytes_of(&self, info: &GgufTensorInfo) -> SharedBytes {
+        let start = self.data_offset.checked_add(info.offset);
+        let range = start
+            .and_then(|s| Some((s, s.checked_add(info.n_bytes)?)))
+            .and_then(|(s, e)| Some(usize::try_from(s).ok()?..usize::try_from(e).ok()?));
+        range
+            .and_then(|r| SharedBytes::new(&self.mmap, r))
+            .unwrap_or_else(|| SharedBytes::owned(Vec::new()))
     }
 
     /// Dequantises a tensor to f32 in GGUF storage order (`ne[0]` fastest).
