@@ -1,0 +1,454 @@
+//! AVX2 + FMA + F16C kernels. Unsigned weight values times signed activation bytes go through
+//! `vpmaddubsw` (pairs into i16; no saturation since |q·x| ≤ 63·127·2 < 2¹⁵) then `vpmaddwd`
+//! (pairs into i32, by 1 or by the k-quant sub-block scale). Each kernel walks `R` weight rows
+//! against one activation row, so the activation block is loaded once for all of them.
+
+// `r` indexes the accumulators and addresses row r's bytes: a range loop says that best.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use ridgefill_io::GgmlType;
+
+use super::layout::*;
+use super::{XRow, k4_scales};
+use crate::act::{KSUM, Q8KRow, Q8Row, QK, QK_K};
+
+/// Rows per kernel pass.
+const ROWS: usize = 4;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees two readable bytes at `p`.
+    let h = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    hsum_ps128(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_ps128(s: __m128) -> f32 {
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes at `p`.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+/// 16 bytes of nibbles → 32 bytes: low nibbles (values 0..15) then high nibbles (16..31).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`.
+    let t = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16(t, 4), t),
+        _mm256_set1_epi8(0x0F),
+    )
+}
+
+/// The 32 bits at `p` → 32 bytes, 0xFF where the bit is set (byte i ↔ bit i).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bits32(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees four readable bytes at `p`.
+    let v = unsafe { (p as *const u32).read_unaligned() };
+    // Byte i takes byte i/8 of v, then every bit but bit i%8 is set: all ones iff bit i was set.
+    let spread = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(v as i32), spread);
+    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+}
+
+/// Σ of u8 × i8 products in eight i32 lanes (four pairs per lane).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_u8i8(q: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+}
+
+/// A 32-element-block kernel over `R` rows: `$block` maps the block pointer `$p` and the
+/// activation bytes `$x` to (i32 lane dots of stored values, weight scale d, coefficient c of
+/// s = dx·Σxq), and row r gets Σ_b [d·dx·Σlanes + c·s].
+macro_rules! legacy_kernel {
+    ($name:ident, $ty:expr, |$p:ident, $x:ident| $block:block) => {
+        /// # Safety
+        /// AVX2/FMA/F16C present; `R` rows of `row_bytes` readable at `w`, matching `x`; `out`
+        /// has room for `R` values.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $name<const R: usize>(
+            w: *const u8,
+            row_bytes: usize,
+            x: Q8Row<'_>,
+            out: *mut f32,
+        ) {
+            let ts = $ty.type_size();
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut corr = [0.0f32; R];
+            for b in 0..x.d.len() {
+                // SAFETY: block b of x and of every row is in bounds (caller's contract).
+                unsafe {
+                    let $x = load(x.qs.as_ptr().add(b * QK) as *const u8);
+                    let dx = *x.d.get_unchecked(b);
+                    let sx = *x.s.get_unchecked(b);
+                    for r in 0..R {
+                        let $p = w.add(r * row_bytes + b * ts);
+                        let (dot, d, c): (__m256i, f32, f32) = $block;
+                        acc[r] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(dot),
+                            _mm256_set1_ps(d * dx),
+                            acc[r],
+                        );
+                        corr[r] = c.mul_add(sx, corr[r]);
+                    }
+                }
+            }
+            for r in 0..R {
+                // SAFETY: out has room for R values.
+                unsafe { *out.add(r) = hsum_ps(acc[r]) + corr[r] };
+            }
+        }
+    };
+}
+
+legacy_kernel!(q4_0, GgmlType::Q4_0, |p, x| {
+    let d = f16_at(p);
+    (dot_u8i8(nibbles(p.add(2)), x), d, -8.0 * d)
+});
+
+legacy_kernel!(q4_1, GgmlType::Q4_1, |p, x| {
+    (dot_u8i8(nibbles(p.add(4)), x), f16_at(p), f16_at(p.add(2)))
+});
+
+legacy_kernel!(q5_0, GgmlType::Q5_0, |p, x| {
+    let d = f16_at(p);
+    let hi = _mm256_and_si256(bits32(p.add(2)), _mm256_set1_epi8(0x10));
+    let q = _mm256_or_si256(nibbles(p.add(6)), hi);
+    (dot_u8i8(q, x), d, -16.0 * d)
+});
+
+legacy_kernel!(q5_1, GgmlType::Q5_1, |p, x| {
+    let hi = _mm256_and_si256(bits32(p.add(4)), _mm256_set1_epi8(0x10));
+    let q = _mm256_or_si256(nibbles(p.add(8)), hi);
+    (dot_u8i8(q, x), f16_at(p), f16_at(p.add(2)))
+});
+
+legacy_kernel!(q8_0, GgmlType::Q8_0, |p, x| {
+    // Signed × signed: |w| as the unsigned operand, x carrying w's sign (x is never −128).
+    let w = load(p.add(2));
+    let dot = dot_u8i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    (dot, f16_at(p), 0.0)
+});
+
+/// Broadcasts i16 lane `k` (0..8) of a 128-bit vector duplicated into both halves.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lane16(v: __m256i, k: usize) -> __m256i {
+    let lo = (2 * k) as i16;
+    _mm256_shuffle_epi8(v, _mm256_set1_epi16(lo | ((lo + 1) << 8)))
+}
+
+/// Q4_K and Q5_K (`FIVE`): Σ_j sc_j·Σ(q·x) over 8 sub-blocks of 32, minus dmin·Σ_j mn_j·bsum_j.
+///
+/// # Safety
+/// As for the legacy kernels, with a [`Q8KRow`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q45_k<const R: usize, const FIVE: bool>(
+    w: *const u8,
+    row_bytes: usize,
+    x: Q8KRow<'_>,
+    out: *mut f32,
+) {
+    let ts = if FIVE {
+        GgmlType::Q5_K.type_size()
+    } else {
+        GgmlType::Q4_K.type_size()
+    };
+    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+    let m4 = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut accm = [_mm_setzero_ps(); R];
+    for b in 0..x.d.len() {
+        // SAFETY: super-block b of x and of every row is in bounds (caller's contract).
+        unsafe {
+            let dx = *x.d.get_unchecked(b);
+            let xq = x.qs.as_ptr().add(b * QK_K) as *const u8;
+            let bs = load(x.bsums.as_ptr().add(b * (QK_K / KSUM)) as *const u8);
+            // Sums of the eight 32-value sub-blocks (|Σ| ≤ 32·127 fits i16).
+            let sub_sums =
+                _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            for r in 0..R {
+                let p = w.add(r * row_bytes + b * ts);
+                let d = f16_at(p) * dx;
+                let dmin = f16_at(p.add(2)) * dx;
+                let (sc, mn) = k4_scales(&*(p.add(K_SCALES) as *const [u8; 12]));
+                let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
+                accm[r] = _mm_fmadd_ps(
+                    _mm_set1_ps(dmin),
+                    _mm_cvtepi32_ps(_mm_madd_epi16(mins, sub_sums)),
+                    accm[r],
+                );
+                let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
+                let scales = _mm256_set_m128i(sc16, sc16);
+                let mut hbits = if FIVE {
+                    load(p.add(K_QH))
+                } else {
+                    _mm256_setzero_si256()
+                };
+                let mut sumi = _mm256_setzero_si256();
+                for j in 0..QK_K / 64 {
+                    let qb = load(p.add(qs_at + j * 32));
+                    let mut lo = _mm256_and_si256(qb, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+                    if FIVE {
+                        // Bit 2j / 2j+1 of each qh byte is the fifth bit of sub-block 2j / 2j+1.
+                        let h0 = _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4);
+                        let h1 = _mm256_slli_epi16(
+                            _mm256_and_si256(_mm256_srli_epi16(hbits, 1), one),
+                            4,
+                        );
+                        lo = _mm256_or_si256(lo, h0);
+                        hi = _mm256_or_si256(hi, h1);
+                        hbits = _mm256_srli_epi16(hbits, 2);
+                    }
+                    let pl = _mm256_maddubs_epi16(lo, load(xq.add(j * 64)));
+                    let ph = _mm256_maddubs_epi16(hi, load(xq.add(j * 64 + 32)));
+                    let pl = _mm256_madd_epi16(pl, lane16(scales, 2 * j));
+                    let ph = _mm256_madd_epi16(ph, lane16(scales, 2 * j + 1));
+                    sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+            }
+        }
+    }
+    for r in 0..R {
+        // SAFETY: out has room for R values.
+        unsafe { *out.add(r) = hsum_ps(acc[r]) - hsum_ps128(accm[r]) };
+    }
+}
+
+/// Q6_K: Σ_g sc_g·Σ(q·x) over 16 groups of 16 with q stored as 0..63, minus 32·Σ_g sc_g·bsum_g.
+///
+/// # Safety
+/// As for the legacy kernels, with a [`Q8KRow`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k<const R: usize>(w: *const u8, row_bytes: usize, x: Q8KRow<'_>, out: *mut f32) {
+    let ts = GgmlType::Q6_K.type_size();
+    let m4 = _mm256_set1_epi8(0x0F);
+    // In-lane byte shuffle: the low half repeats i16 0 of each dword, the high half i16 1.
+    let halves = _mm256_setr_epi8(
+        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, //
+        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+    );
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..x.d.len() {
+        // SAFETY: super-block b of x and of every row is in bounds (caller's contract).
+        unsafe {
+            let dx = *x.d.get_unchecked(b);
+            let xq = x.qs.as_ptr().add(b * QK_K) as *const u8;
+            let bs = load(x.bsums.as_ptr().add(b * (QK_K / KSUM)) as *const u8);
+            for r in 0..R {
+                let p = w.add(r * row_bytes + b * ts);
+                let d = f16_at(p.add(Q6K_D)) * dx;
+                let sc16 =
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(Q6K_SCALES) as *const __m128i));
+                let corr = _mm256_madd_epi16(sc16, bs);
+                let mut sumi = _mm256_setzero_si256();
+                for h in 0..2 {
+                    let ql0 = load(p.add(h * 64));
+                    let ql1 = load(p.add(h * 64 + 32));
+                    let qh = load(p.add(Q6K_QH + h * 32));
+                    let q = [
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql0, m4),
+                            _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql1, m4),
+                            _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                            _mm256_and_si256(qh, _mm256_set1_epi8(0x30)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                            _mm256_srli_epi16(
+                                _mm256_and_si256(qh, _mm256_set1_epi8(0xC0u8 as i8)),
+                                2,
+                            ),
+                        ),
+                    ];
+                    for (g, &q) in q.iter().enumerate() {
+                        let k = (4 * h + g) as i32;
+                        let sc = _mm256_shuffle_epi8(
+                            _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(k)),
+                            halves,
+                        );
+                        let pq = _mm256_maddubs_epi16(q, load(xq.add(h * 128 + g * 32)));
+                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pq, sc));
+                    }
+                }
+                let sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(corr, 5));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+            }
+        }
+    }
+    for r in 0..R {
+        // SAFETY: out has room for R values.
+        unsafe { *out.add(r) = hsum_ps(acc[r]) };
+    }
+}
+
+/// Eight weights at element `k` of a float row, as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_w8(ty: GgmlType, row: *const u8, k: usize) -> __m256 {
+    // SAFETY: the caller guarantees eight elements at k.
+    unsafe {
+        match ty {
+            GgmlType::F32 => _mm256_loadu_ps(row.add(4 * k) as *const f32),
+            GgmlType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * k) as *const __m128i)),
+            _ => {
+                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(2 * k) as *const __m128i));
+                _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+            }
+        }
+    }
+}
+
+/// One float weight (F32, F16 or BF16) as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_w1(ty: GgmlType, row: *const u8, k: usize) -> f32 {
+    // SAFETY: the caller guarantees element k is in the row.
+    unsafe {
+        match ty {
+            GgmlType::F32 => (row.add(4 * k) as *const f32).read_unaligned(),
+            GgmlType::F16 => f16_at(row.add(2 * k)),
+            _ => f32::from_bits(((row.add(2 * k) as *const u16).read_unaligned() as u32) << 16),
+        }
+    }
+}
+
+/// F32 / F16 / BF16 rows times f32 activations.
+///
+/// # Safety
+/// As for the legacy kernels, with an f32 row of the rows' length.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_rows<const R: usize>(
+    ty: GgmlType,
+    w: *const u8,
+    row_bytes: usize,
+    x: &[f32],
+    out: *mut f32,
+) {
+    let n = x.len();
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut k = 0;
+    // SAFETY: elements k..k+8 (vector loop) and k (tail) lie inside x and every row.
+    unsafe {
+        while k + 8 <= n {
+            let xv = _mm256_loadu_ps(x.as_ptr().add(k));
+            for r in 0..R {
+                acc[r] = _mm256_fmadd_ps(load_w8(ty, w.add(r * row_bytes), k), xv, acc[r]);
+            }
+            k += 8;
+        }
+        for r in 0..R {
+            let mut s = hsum_ps(acc[r]);
+            for t in k..n {
+                s = load_w1(ty, w.add(r * row_bytes), t).mul_add(*x.get_unchecked(t), s);
+            }
+            *out.add(r) = s;
+        }
+    }
+}
+
+/// Runs the `R`-row kernel for `ty` on rows starting at `w`.
+///
+/// # Safety
+/// See [`gemv_rows`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows<const R: usize>(
+    ty: GgmlType,
+    w: *const u8,
+    row_bytes: usize,
+    x: &XRow<'_>,
+    out: *mut f32,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match (ty, x) {
+            (GgmlType::Q4_0, XRow::Q8(x)) => q4_0::<R>(w, row_bytes, *x, out),
+            (GgmlType::Q4_1, XRow::Q8(x)) => q4_1::<R>(w, row_bytes, *x, out),
+            (GgmlType::Q5_0, XRow::Q8(x)) => q5_0::<R>(w, row_bytes, *x, out),
+            (GgmlType::Q5_1, XRow::Q8(x)) => q5_1::<R>(w, row_bytes, *x, out),
+            (GgmlType::Q8_0, XRow::Q8(x)) => q8_0::<R>(w, row_bytes, *x, out),
+            (GgmlType::Q4_K, XRow::Q8K(x)) => q45_k::<R, false>(w, row_bytes, *x, out),
+            (GgmlType::Q5_K, XRow::Q8K(x)) => q45_k::<R, true>(w, row_bytes, *x, out),
+            (GgmlType::Q6_K, XRow::Q8K(x)) => q6_k::<R>(w, row_bytes, *x, out),
+            (_, XRow::F32(x)) => float_rows::<R>(ty, w, row_bytes, x, out),
+            _ => unreachable!("avx2::rows: {ty} with the wrong activation kind"),
+        }
+    }
+}
+
+/// See [`super::gemv_rows`].
+///
+/// # Safety
+/// AVX2, FMA and F16C present; sizes checked by the caller (`w` holds `out.len()` rows of
+/// `row_bytes` that match `x`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemv_rows(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    x: XRow<'_>,
+    out: &mut [f32],
+) {
+    let n = out.len();
+    let mut r = 0;
+    // SAFETY: rows r..r+ROWS (or r) are inside w and out.
+    unsafe {
+        while r + ROWS <= n {
+            rows::<ROWS>(
+                ty,
+                w.as_ptr().add(r * row_bytes),
+                row_bytes,
+                &x,
+                out.as_mut_ptr().add(r),
+            );
+            r += ROWS;
+        }
+        while r < n {
+            rows::<1>(
+                ty,
+                w.as_ptr().add(r * row_bytes),
+                row_bytes,
+                &x,
+                out.as_mut_ptr().add(r),
+            );
+            r += 1;
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! Quantised matmul kernels for CPU over GGUF block formats, so a model can keep its weights in
+//! the file's formats (memory-mapped, not copied, not dequantised) and decode at llama.cpp speed.
+//!
+//! Why hand-written: no Rust crate offers fused dot products *on GGUF blocks as stored* (Q4_0,
+//! Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) with runtime SIMD dispatch and a low-overhead
+//! thread pool. candle's kernels are tied to its own tensor and block types and compile SIMD in
+//! at build time; the `gemm` crate is f32/f16 only. This crate is pure Rust (no C, no burn).
+//!
+//! - [`QMatrix`]: one weight `[rows = out, cols = in]` in its storage type, bytes shared through
+//!   [`WeightBytes`] (e.g. a slice of an `Arc<GgufFile>`'s mapping).
+//! - [`QWeight`]: several `QMatrix` stacked along the output rows (fused QKV, gate/up; parts may
+//!   differ in type), with `matmul` (`y[m, rows] = x[m, cols]·Wᵀ`), `dequantize`,
+//!   `dequantize_rows_into`.
+//! - Activations are quantised once per call per kind needed (32-blocks with sums for the legacy
+//!   formats, 256-blocks with 16-sums for the k-quants; see `act`), then integer dot products run
+//!   per block, four weight rows per pass ([`SimdLevel::Avx2`], or portable [`SimdLevel::Scalar`]).
+//! - For large batches (`m ≥` [`QWeight::f32_path_min_m`]) row chunks are dequantised into a
+//!   per-thread scratch and multiplied with the `gemm` crate's f32 GEMM instead.
+//! - Work is split by output rows over one persistent [`pool`] (`RIDGEFILL_THREADS`).
+//!
+//! Not implemented: AVX-512 / AVX-VNNI variants (the development machine has neither, so they
+//! could not be tested) and NEON (no aarch64 target to compile-check); those CPUs use the scalar
+//! kernels, or AVX2 where available.
+
+mod act;
+mod bytes;
+mod kernels;
+pub mod pool;
+mod simd;
+mod weight;
+
+pub use bytes::WeightBytes;
+pub use ridgefill_io::GgmlType;
+pub use simd::{SIMD_ENV, SimdLevel};
+pub use weight::{MatmulConfig, MatmulPath, QError, QMatrix, QWeight};

@@ -1,0 +1,69 @@
+//! Runtime choice of the kernel instruction set.
+
+use std::sync::OnceLock;
+
+/// Environment variable that forces a lower level (`scalar`, `avx2`); unknown values are ignored.
+pub const SIMD_ENV: &str = "RIDGEFILL_SIMD";
+
+/// An instruction-set level the kernels are written for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdLevel {
+    /// Portable Rust, no intrinsics (always available, always tested).
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd` integer dot products.
+    Avx2,
+}
+
+impl SimdLevel {
+    /// Every level, lowest first.
+    pub const ALL: [SimdLevel; 2] = [SimdLevel::Scalar, SimdLevel::Avx2];
+
+    /// Whether this CPU can run the level.
+    pub fn is_available(self) -> bool {
+        match self {
+            SimdLevel::Scalar => true,
+            SimdLevel::Avx2 => avx2_available(),
+        }
+    }
+
+    /// The levels this CPU can run, lowest first.
+    pub fn available() -> Vec<SimdLevel> {
+        Self::ALL.into_iter().filter(|l| l.is_available()).collect()
+    }
+
+    /// The best available level, lowered by [`SIMD_ENV`] if set (read once per process).
+    pub fn detect() -> SimdLevel {
+        static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+        *LEVEL.get_or_init(|| {
+            let best = Self::available()
+                .into_iter()
+                .max()
+                .unwrap_or(SimdLevel::Scalar);
+            match std::env::var(SIMD_ENV).ok().as_deref().map(str::trim) {
+                Some("scalar") => SimdLevel::Scalar,
+                Some("avx2") if best >= SimdLevel::Avx2 => SimdLevel::Avx2,
+                _ => best,
+            }
+        })
+    }
+
+    /// Lower-case name, as [`SIMD_ENV`] spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2_available() -> bool {
+    false
+}

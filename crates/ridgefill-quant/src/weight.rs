@@ -1,0 +1,568 @@
+//! [`QMatrix`] (one weight in its GGUF block format) and [`QWeight`] (several stacked along the
+//! output rows), with the matmul driver: activation quantisation, row chunks over the pool, and
+//! the dequantise-then-f32-GEMM path for large batches.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use ridgefill_io::{GgmlType, GgufFile};
+
+use crate::act::{Q8Buf, Q8KBuf};
+use crate::bytes::WeightBytes;
+use crate::kernels::{ActKind, XRow, act_kind, gemv_rows};
+use crate::pool::Pool;
+use crate::simd::SimdLevel;
+
+/// Errors of building a weight or calling a matmul with inconsistent sizes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QError {
+    /// No kernel for this type.
+    #[error(
+        "{0} weights have no matmul kernel: expected one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32"
+    )]
+    Unsupported(GgmlType),
+    /// A row is not a whole number of blocks.
+    #[error("{ty}: rows of {cols} values are not a multiple of the block size {block}")]
+    NotBlockMultiple {
+        ty: GgmlType,
+        cols: usize,
+        block: usize,
+    },
+    /// The byte count does not match the shape.
+    #[error("{ty} [{rows}, {cols}] needs {expected} bytes, found {found}")]
+    ByteLength {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        expected: usize,
+        found: usize,
+    },
+    /// A matrix with no rows or no columns.
+    #[error("empty weight matrix [{rows}, {cols}]")]
+    Empty { rows: usize, cols: usize },
+    /// Stacked parts must share the input width.
+    #[error("stacked parts must have equal columns: part 0 has {first}, part {index} has {found}")]
+    ColsMismatch {
+        first: usize,
+        index: usize,
+        found: usize,
+    },
+    /// [`QWeight::new`] needs at least one part.
+    #[error("a stacked weight needs at least one part")]
+    NoParts,
+    /// A GGUF tensor that is missing or is not a 2-D matrix.
+    #[error("GGUF tensor {name}: {reason}")]
+    Tensor { name: String, reason: String },
+    /// A matmul operand of the wrong length.
+    #[error("matmul: {what} has {found} values, expected {m} × {width} = {}", m * width)]
+    OperandLength {
+        what: &'static str,
+        found: usize,
+        m: usize,
+        width: usize,
+    },
+    /// A row range outside the matrix.
+    #[error("rows {start}..{end} are outside a weight of {rows} rows")]
+    RowRange {
+        start: usize,
+        end: usize,
+        rows: usize,
+    },
+}
+
+/// One weight `[rows = out features, cols = in features]` in a GGUF storage type, holding its
+/// bytes exactly as in the file: `rows` rows, each `cols / block` blocks.
+#[derive(Clone, Debug)]
+pub struct QMatrix {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: WeightBytes,
+}
+
+impl QMatrix {
+    /// Wraps `data` after checking the type has a kernel and the sizes agree.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: WeightBytes) -> Result<Self, QError> {
+        if act_kind(ty).is_none() {
+            return Err(QError::Unsupported(ty));
+        }
+        if rows == 0 || cols == 0 {
+            return Err(QError::Empty { rows, cols });
+        }
+        let block = ty.block_size();
+        if !cols.is_multiple_of(block) {
+            return Err(QError::NotBlockMultiple { ty, cols, block });
+        }
+        let row_bytes = cols / block * ty.type_size();
+        let expected = row_bytes.checked_mul(rows);
+        if expected != Some(data.len()) {
+            return Err(QError::ByteLength {
+                ty,
+                rows,
+                cols,
+                expected: expected.unwrap_or(usize::MAX),
+                found: data.len(),
+            });
+        }
+        Ok(QMatrix {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        })
+    }
+
+    /// The 2-D tensor `name` of a GGUF file, pointing into the file's mapping (no copy).
+    ///
+    /// GGUF stores `ne = [cols, rows]` (`ne[0]` fastest), i.e. HF `[out, in]` as `rows = out`.
+    pub fn from_gguf(file: &Arc<GgufFile>, name: &str) -> Result<Self, QError> {
+        let bad = |reason: String| QError::Tensor {
+            name: name.to_string(),
+            reason,
+        };
+        let info = file
+            .tensor_info(name)
+            .ok_or_else(|| bad("not in the file".into()))?
+            .clone();
+        let dims: Vec<u64> = info.ne.clone();
+        if dims.len() < 2 || dims[2..].iter().any(|&d| d != 1) {
+            return Err(bad(format!("expected a 2-D matrix, found ne = {dims:?}")));
+        }
+        let to_usize =
+            |d: u64| usize::try_from(d).map_err(|_| bad(format!("dimension {d} too large")));
+        let (cols, rows) = (to_usize(dims[0])?, to_usize(dims[1])?);
+        let ty = info.ggml_type;
+        let data = WeightBytes::from_owner(file.clone(), move |f| f.bytes_of(&info));
+        QMatrix::new(ty, rows, cols, data).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Storage type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// The stored bytes.
+    pub fn raw(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Resident bytes of the weight.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Dequantises rows `row0 .. row0 + out.len() / cols` into `out` (row-major f32).
+    pub fn dequantize_rows_into(&self, row0: usize, out: &mut [f32]) -> Result<(), QError> {
+        let n = out.len() / self.cols;
+        let end = row0.saturating_add(n);
+        if !out.len().is_multiple_of(self.cols) || end > self.rows {
+            return Err(QError::RowRange {
+                start: row0,
+                end: row0.saturating_add(out.len().div_ceil(self.cols)),
+                rows: self.rows,
+            });
+        }
+        let raw = &self.data[row0 * self.row_bytes..end * self.row_bytes];
+        // Sizes were checked at construction; the only error left would be an unsupported type.
+        ridgefill_io::quant::dequantize_into(self.ty, raw, out)
+            .map_err(|_| QError::Unsupported(self.ty))
+    }
+}
+
+/// How [`QWeight::matmul_with`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulConfig {
+    /// Kernel instruction set (must be available on this CPU; lower ones are always allowed).
+    pub level: SimdLevel,
+    /// Integer kernels, dequantise + f32 GEMM, or chosen by `m`.
+    pub path: MatmulPath,
+    /// Use the global pool (`true`) or only the calling thread.
+    pub parallel: bool,
+}
+
+/// Which algorithm a matmul uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    /// Integer kernels below [`QWeight::f32_path_min_m`], dequantise + GEMM from there.
+    Auto,
+    /// Quantise x, integer dot products per block.
+    Integer,
+    /// Dequantise row chunks to f32 and run an f32 GEMM on them (no lasting f32 copy).
+    DequantGemm,
+}
+
+impl Default for MatmulConfig {
+    fn default() -> Self {
+        MatmulConfig {
+            level: SimdLevel::detect(),
+            path: MatmulPath::Auto,
+            parallel: true,
+        }
+    }
+}
+
+/// Batch size from which dequantise + f32 GEMM beats the integer kernels, per weight type.
+///
+/// Measured with `cargo bench -p ridgefill-quant --bench gemv -- threshold` (see the bench and
+/// the crate README notes in lib.rs).
+fn f32_path_min_m(ty: GgmlType) -> usize {
+    match act_kind(ty) {
+        Some(ActKind::F32) => 8,
+        Some(ActKind::Q8K) => 48,
+        _ => 32,
+    }
+}
+
+/// Below this many multiply-adds a matmul stays on the calling thread.
+const PARALLEL_MIN_MACS: usize = 64 * 1024;
+/// Chunks per thread the rows are cut into (so a descheduled thread costs little).
+const CHUNKS_PER_THREAD: usize = 4;
+/// Rows per chunk are a multiple of this (the kernels take 4 rows at a time).
+const ROW_ALIGN: usize = 16;
+/// Weight rows kept hot in L1 while every activation row passes over them (integer path, m > 1).
+const ROW_TILE: usize = 16;
+/// Rows per chunk of the dequantise + GEMM path (the f32 scratch is this × cols floats).
+const GEMM_CHUNK_ROWS: usize = 64;
+
+/// Several [`QMatrix`] stacked along the output rows (e.g. fused Q/K/V or gate/up), used as one
+/// `[rows_total, cols]` weight. Parts may have different types.
+#[derive(Clone, Debug)]
+pub struct QWeight {
+    parts: Vec<QMatrix>,
+    /// Row offset of each part in the stacked output.
+    starts: Vec<usize>,
+    rows: usize,
+    cols: usize,
+}
+
+impl From<QMatrix> for QWeight {
+    fn from(m: QMatrix) -> Self {
+        QWeight {
+            rows: m.rows,
+            cols: m.cols,
+            starts: vec![0],
+            parts: vec![m],
+        }
+    }
+}
+
+/// Per-thread activation scratch (reused across calls so decode allocates nothing).
+#[derive(Default)]
+struct Acts {
+    q8: Q8Buf,
+    q8k: Q8KBuf,
+}
+
+thread_local! {
+    static ACTS: RefCell<Acts> = RefCell::new(Acts::default());
+    static F32_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A pointer the chunks write disjoint parts of `y` through.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: chunks write disjoint element sets; the dispatching call waits for all of them.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The element `off` past the start (a method, so closures capture the whole `OutPtr`).
+    ///
+    /// # Safety
+    /// `off` is inside the buffer.
+    unsafe fn at(self, off: usize) -> *mut f32 {
+        // SAFETY: guaranteed by the caller.
+        unsafe { self.0.add(off) }
+    }
+}
+
+impl QWeight {
+    /// Stacks `parts` (all with the same `cols`) in order.
+    pub fn new(parts: Vec<QMatrix>) -> Result<Self, QError> {
+        let first = parts.first().ok_or(QError::NoParts)?.cols;
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut rows = 0usize;
+        for (index, p) in parts.iter().enumerate() {
+            if p.cols != first {
+                return Err(QError::ColsMismatch {
+                    first,
+                    index,
+                    found: p.cols,
+                });
+            }
+            starts.push(rows);
+            rows += p.rows;
+        }
+        Ok(QWeight {
+            parts,
+            starts,
+            rows,
+            cols: first,
+        })
+    }
+
+    /// Output features (all parts).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Resident bytes of all parts.
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(QMatrix::bytes).sum()
+    }
+
+    /// The stacked parts.
+    pub fn parts(&self) -> &[QMatrix] {
+        &self.parts
+    }
+
+    /// Batch size from which [`MatmulPath::Auto`] dequantises and runs an f32 GEMM: the
+    /// smallest of the parts' thresholds (then the whole call takes that path).
+    pub fn f32_path_min_m(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|p| f32_path_min_m(p.ty))
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
+    /// The whole weight as f32, `[rows, cols]` row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        // Cannot fail: the buffer covers every row exactly.
+        let _ = self.dequantize_rows_into(0, &mut out);
+        out
+    }
+
+    /// Dequantises stacked rows `row0 .. row0 + out.len() / cols` into `out`.
+    pub fn dequantize_rows_into(&self, row0: usize, out: &mut [f32]) -> Result<(), QError> {
+        let n = out.len() / self.cols;
+        let end = row0.saturating_add(n);
+        if !out.len().is_multiple_of(self.cols) || end > self.rows {
+            return Err(QError::RowRange {
+                start: row0,
+                end: row0.saturating_add(out.len().div_ceil(self.cols)),
+                rows: self.rows,
+            });
+        }
+        for (p, &start) in self.parts.iter().zip(&self.starts) {
+            let (lo, hi) = (row0.max(start), end.min(start + p.rows));
+            if lo < hi {
+                let o = &mut out[(lo - row0) * self.cols..(hi - row0) * self.cols];
+                p.dequantize_rows_into(lo - start, o)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `y[m, rows] = x[m, cols] · Wᵀ` (row-major), with the detected SIMD level, the global pool
+    /// and the path chosen by `m`.
+    pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<(), QError> {
+        self.matmul_with(&MatmulConfig::default(), x, m, y)
+    }
+
+    /// [`Self::matmul`] with an explicit configuration (tests, benchmarks).
+    ///
+    /// A `cfg.level` the CPU lacks falls back to the detected level.
+    pub fn matmul_with(
+        &self,
+        cfg: &MatmulConfig,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) -> Result<(), QError> {
+        let check = |what, found: usize, width: usize| {
+            if Some(found) == m.checked_mul(width) {
+                Ok(())
+            } else {
+                Err(QError::OperandLength {
+                    what,
+                    found,
+                    m,
+                    width,
+                })
+            }
+        };
+        check("x", x.len(), self.cols)?;
+        check("y", y.len(), self.rows)?;
+        if m == 0 {
+            return Ok(());
+        }
+        let level = if cfg.level.is_available() {
+            cfg.level
+        } else {
+            SimdLevel::detect()
+        };
+        let pool = cfg.parallel.then(Pool::global);
+        let dequant = match cfg.path {
+            MatmulPath::Auto => m >= self.f32_path_min_m(),
+            MatmulPath::Integer => false,
+            MatmulPath::DequantGemm => true,
+        };
+        if dequant {
+            self.matmul_gemm(pool, x, m, y);
+        } else {
+            self.matmul_int(level, pool, x, m, y);
+        }
+        Ok(())
+    }
+
+    /// Row chunks: `(part, first row, end row)` within the part, `chunk` rows at most.
+    fn chunks(&self, chunk: usize) -> Vec<(usize, usize, usize)> {
+        let mut out = Vec::new();
+        for (i, p) in self.parts.iter().enumerate() {
+            let mut r = 0;
+            while r < p.rows {
+                let e = (r + chunk).min(p.rows);
+                out.push((i, r, e));
+                r = e;
+            }
+        }
+        out
+    }
+
+    /// Rows per chunk for `threads` threads.
+    fn chunk_rows(&self, threads: usize) -> usize {
+        let target = self.rows.div_ceil(threads * CHUNKS_PER_THREAD);
+        target.div_ceil(ROW_ALIGN).max(1) * ROW_ALIGN
+    }
+
+    fn matmul_int(
+        &self,
+        level: SimdLevel,
+        pool: Option<&Pool>,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) {
+        let pool = pool.filter(|_| m * self.rows * self.cols >= PARALLEL_MIN_MACS);
+        let kinds: Vec<ActKind> = self.parts.iter().filter_map(|p| act_kind(p.ty)).collect();
+        let need = |k| kinds.contains(&k);
+        let mut run = |acts: &mut Acts| {
+            if need(ActKind::Q8) {
+                acts.q8.reset(m, self.cols);
+                acts.q8.quantize(level, x, pool);
+            }
+            if need(ActKind::Q8K) {
+                acts.q8k.reset(m, self.cols);
+                acts.q8k.quantize(level, x, pool);
+            }
+            let acts = &*acts;
+            let threads = pool.map_or(1, Pool::threads);
+            let chunks = self.chunks(self.chunk_rows(threads));
+            let out = OutPtr(y.as_mut_ptr());
+            let (rows_total, cols) = (self.rows, self.cols);
+            let job = |c: usize| {
+                let (pi, r0, r1) = chunks[c];
+                let p = &self.parts[pi];
+                let start = self.starts[pi];
+                let kind = act_kind(p.ty);
+                let xrow = |i: usize| match kind {
+                    Some(ActKind::Q8) => XRow::Q8(acts.q8.row(i)),
+                    Some(ActKind::Q8K) => XRow::Q8K(acts.q8k.row(i)),
+                    _ => XRow::F32(&x[i * cols..(i + 1) * cols]),
+                };
+                let tile = if m == 1 { r1 - r0 } else { ROW_TILE };
+                let mut t0 = r0;
+                while t0 < r1 {
+                    let t1 = (t0 + tile).min(r1);
+                    let w = &p.raw()[t0 * p.row_bytes..t1 * p.row_bytes];
+                    for i in 0..m {
+                        // SAFETY: y has m·rows_total values (checked by matmul_with); this chunk
+                        // alone writes columns start+t0..start+t1 of y's rows.
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                out.at(i * rows_total + start + t0),
+                                t1 - t0,
+                            )
+                        };
+                        gemv_rows(level, p.ty, w, p.row_bytes, xrow(i), o);
+                    }
+                    t0 = t1;
+                }
+            };
+            match pool {
+                Some(pool) => pool.run(chunks.len(), &job),
+                None => (0..chunks.len()).for_each(job),
+            }
+        };
+        ACTS.with(|a| match a.try_borrow_mut() {
+            Ok(mut acts) => run(&mut acts),
+            // Re-entered on this thread: use a fresh scratch.
+            Err(_) => run(&mut Acts::default()),
+        });
+    }
+
+    fn matmul_gemm(&self, pool: Option<&Pool>, x: &[f32], m: usize, y: &mut [f32]) {
+        let chunks = self.chunks(GEMM_CHUNK_ROWS);
+        let out = OutPtr(y.as_mut_ptr());
+        let (rows_total, cols) = (self.rows, self.cols);
+        let job = |c: usize| {
+            let (pi, r0, r1) = chunks[c];
+            let p = &self.parts[pi];
+            let n = r1 - r0;
+            let dst_col = self.starts[pi] + r0;
+            let gemm_chunk = |w: &mut Vec<f32>| {
+                w.resize(n * cols, 0.0);
+                // Cannot fail: the range is inside the part.
+                let _ = p.dequantize_rows_into(r0, &mut w[..n * cols]);
+                // SAFETY: dst is y[0..m, dst_col..dst_col+n] (row stride rows_total), inside y and
+                // written only by this chunk; lhs is x [m, cols]; rhs[k, j] = w[j·cols + k].
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        cols,
+                        out.at(dst_col),
+                        1,
+                        rows_total as isize,
+                        false,
+                        x.as_ptr(),
+                        1,
+                        cols as isize,
+                        w.as_ptr(),
+                        cols as isize,
+                        1,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            };
+            F32_SCRATCH.with(|s| match s.try_borrow_mut() {
+                Ok(mut w) => gemm_chunk(&mut w),
+                Err(_) => gemm_chunk(&mut Vec::new()),
+            });
+        };
+        match pool {
+            Some(pool) => pool.run(chunks.len(), &job),
+            None => (0..chunks.len()).for_each(job),
+        }
+    }
+}

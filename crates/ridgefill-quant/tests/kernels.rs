@@ -1,0 +1,138 @@
+//! Every format's kernels, at every SIMD level this CPU has plus scalar, on both paths and with
+//! and without the pool, against dequantise-then-f64 matmul.
+
+mod common;
+
+use common::*;
+use ridgefill_quant::{GgmlType, MatmulConfig, MatmulPath, QWeight, SimdLevel};
+
+/// Every configuration worth testing on this machine.
+fn configs() -> Vec<MatmulConfig> {
+    let mut out = Vec::new();
+    for level in SimdLevel::available() {
+        for path in [
+            MatmulPath::Integer,
+            MatmulPath::DequantGemm,
+            MatmulPath::Auto,
+        ] {
+            for parallel in [false, true] {
+                if path != MatmulPath::Integer && level != SimdLevel::Scalar {
+                    // The GEMM path does not depend on the kernel level.
+                    continue;
+                }
+                out.push(MatmulConfig {
+                    level,
+                    path,
+                    parallel,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn run(w: &QWeight, cfg: &MatmulConfig, x: &[f32], m: usize) -> Vec<f32> {
+    let mut y = vec![f32::NAN; m * w.rows()];
+    w.matmul_with(cfg, x, m, &mut y).expect("sizes match");
+    y
+}
+
+/// Checks `w` on `x` in every configuration, and the SIMD integer kernels against scalar.
+fn check(what: &str, w: &QWeight, x: &[f32], m: usize) {
+    let r = reference_stacked(w, x, m);
+    let tol = r.tol();
+    let scalar = MatmulConfig {
+        level: SimdLevel::Scalar,
+        path: MatmulPath::Integer,
+        parallel: false,
+    };
+    let y_scalar = run(w, &scalar, x, m);
+    for cfg in configs() {
+        let y = run(w, &cfg, x, m);
+        assert_close(&format!("{what} m={m} {cfg:?}"), &y, &r.y, &tol);
+        if cfg.path == MatmulPath::Integer {
+            // Same quantised activations, so only the f32 summation order may differ.
+            let ys: Vec<f64> = y_scalar.iter().map(|&v| v as f64).collect();
+            assert_close(
+                &format!("{what} m={m} {cfg:?} vs scalar"),
+                &y,
+                &ys,
+                &r.tol_same_ints(),
+            );
+        }
+    }
+}
+
+#[test]
+fn every_format_on_random_blocks() {
+    eprintln!("SIMD levels tested: {:?}", SimdLevel::available());
+    let mut rng = Rng::new(0x5EED_0001);
+    for ty in TYPES {
+        // 2 super-blocks for k-quants (512 columns); 77 columns exercise the float tail loop.
+        let cols = match ty.block_size() {
+            1 => 77,
+            32 => 160,
+            _ => 512,
+        };
+        for extreme in [false, true] {
+            // 37 rows: nine 4-row passes and a remainder row.
+            let w = stacked(&mut rng, &[ty], &[37], cols, extreme);
+            for m in [1, 3, 17, 64] {
+                let x = random_x(&mut rng, m, cols, extreme);
+                check(&format!("{ty} extreme={extreme}"), &w, &x, m);
+            }
+        }
+    }
+}
+
+#[test]
+fn stacked_parts_of_different_types() {
+    let mut rng = Rng::new(0x5EED_0002);
+    // A Q4_K_M-style fused QKV (Q4_K, Q4_K, Q6_K), a legacy mix, and everything at once.
+    let cases: [&[GgmlType]; 3] = [
+        &[GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K],
+        &[GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0],
+        &TYPES,
+    ];
+    for types in cases {
+        let rows: Vec<usize> = (0..types.len()).map(|i| 5 + 7 * i).collect();
+        let w = stacked(&mut rng, types, &rows, 512, false);
+        for m in [1, 3, 17] {
+            let x = random_x(&mut rng, m, 512, false);
+            check(&format!("{types:?}"), &w, &x, m);
+        }
+    }
+}
+
+#[test]
+fn big_enough_to_use_the_pool() {
+    // 1000 × 512 rows cross the parallel threshold and cut into many chunks over two parts.
+    let mut rng = Rng::new(0x5EED_0003);
+    let w = stacked(
+        &mut rng,
+        &[GgmlType::Q4_1, GgmlType::Q6_K],
+        &[600, 400],
+        512,
+        false,
+    );
+    for m in [1, 5] {
+        let x = random_x(&mut rng, m, 512, false);
+        check("pool", &w, &x, m);
+    }
+}
+
+#[test]
+fn dequantize_rows_into_spans_parts() {
+    let mut rng = Rng::new(0x5EED_0004);
+    let w = stacked(
+        &mut rng,
+        &[GgmlType::Q4_0, GgmlType::F16],
+        &[3, 4],
+        64,
+        false,
+    );
+    let all = w.dequantize();
+    let mut some = vec![0f32; 3 * 64];
+    w.dequantize_rows_into(2, &mut some).unwrap();
+    assert_eq!(&some[..], &all[2 * 64..5 * 64]);
+}
