@@ -5,7 +5,7 @@ use std::time::Instant;
 use anyhow::Result;
 use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_model::llama::LoadOptions;
-use ridgefill_model::{DeviceChoice, DeviceInfo, FloatDType, Llama, select_device};
+use ridgefill_model::{DeviceChoice, DeviceInfo, FloatDType, Llama, WeightFormat, select_device};
 
 /// What to load and where.
 #[derive(Clone, Debug)]
@@ -13,6 +13,7 @@ pub struct LoadArgs {
     pub model: String,
     pub device: DeviceChoice,
     pub dtype: FloatDType,
+    pub weights: WeightFormat,
 }
 
 pub fn dtype_name(d: FloatDType) -> &'static str {
@@ -48,6 +49,7 @@ pub fn load(args: &LoadArgs, max_positions: usize) -> Result<Loaded> {
     let opts = LoadOptions {
         dtype: args.dtype,
         max_positions: max_positions.max(1),
+        weights: args.weights,
     };
     // Every load error already names the file (and tensor): no "loading FILE:" prefix.
     let model = Llama::load(&ckpt, &device.device, &opts)?;

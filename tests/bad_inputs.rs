@@ -363,6 +363,12 @@ fn rows() -> Vec<Row> {
             &["unknown dtype \"f8\""],
         ),
         row(
+            "unknown weight format",
+            &["generate", "-p", "x", "--weights", "q3"],
+            USAGE,
+            &["unknown weight format \"q3\""],
+        ),
+        row(
             "unknown --truncate side",
             &["generate", "-p", "x", "--truncate", "middle"],
             USAGE,

@@ -116,7 +116,7 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
     );
     let (q_dim, kv_dim, ff) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
     let eps = c.rms_norm_eps;
-    let emb = host(&m.embed_tokens);
+    let emb = host(&m.embed_tokens.embedding_dense(&m.device, m.dtype));
     let scale = c.embed_scale.map_or(1.0, |s| f64::from(s as f32));
     let mut hs: Vec<Vec<f64>> = tokens
         .iter()
@@ -133,7 +133,10 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
         } else {
             c.rope_theta
         };
-        let (ln1, wqkv) = (host(&layer.input_layernorm), host(&layer.qkv_proj));
+        let (ln1, wqkv) = (
+            host(&layer.input_layernorm),
+            host(&layer.qkv_proj.dense(&m.device, m.dtype)),
+        );
         let bias = layer.qkv_bias.as_ref().map(host);
         let (qn, kn) = (
             layer.q_norm.as_ref().map(host),
@@ -162,10 +165,16 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
         }
         let att_scale = 1.0 / c.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt();
         let group = nh / nkv;
-        let (wo, ln2) = (host(&layer.o_proj), host(&layer.post_attention_layernorm));
+        let (wo, ln2) = (
+            host(&layer.o_proj.dense(&m.device, m.dtype)),
+            host(&layer.post_attention_layernorm),
+        );
         let pre_ff = layer.pre_feedforward_layernorm.as_ref().map(host);
         let post_ff = layer.post_feedforward_layernorm.as_ref().map(host);
-        let (wgu, wd) = (host(&layer.gate_up_proj), host(&layer.down_proj));
+        let (wgu, wd) = (
+            host(&layer.gate_up_proj.dense(&m.device, m.dtype)),
+            host(&layer.down_proj.dense(&m.device, m.dtype)),
+        );
         for i in 0..n {
             let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
             let mut attn = vec![0.0; q_dim];
@@ -218,7 +227,7 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
             hs[i].iter_mut().zip(&y).for_each(|(h, y)| *h += y);
         }
     }
-    let (norm, head) = (host(&m.norm), host(&m.lm_head));
+    let (norm, head) = (host(&m.norm), host(&m.lm_head.dense(&m.device, m.dtype)));
     hs.iter()
         .map(|h| {
             vecmat(&rms_norm(h, &norm, eps), &head)

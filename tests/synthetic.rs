@@ -9,7 +9,7 @@ mod tiny;
 use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::model::fill::{FillMaps, FillRows, Oracle};
 use ridgefill::model::llama::Llama;
-use ridgefill::model::{Device, FloatDType, to_host_f32};
+use ridgefill::model::{Device, FloatDType, Weight, to_host_f32};
 
 /// Agreement expected between two f32 implementations of the same tiny model.
 const TOL: f32 = 1e-3;
@@ -592,20 +592,28 @@ fn chosen_spans_contain_a_planted_needle() {
     let (d, hd) = (c.hidden_size, c.head_dim());
     let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
     // Embedding dims 0 and 1: only the needle has dim 0; every token carries dim 1.
-    let mut emb = to_host_f32(model.embed_tokens.clone());
+    let mut emb = to_host_f32(
+        model
+            .embed_tokens
+            .embedding_dense(&model.device, model.dtype),
+    );
     for t in 0..c.vocab_size {
         emb[t * d] = if t as u32 == NEEDLE { GAIN } else { 0.0 };
         emb[t * d + 1] = GAIN;
     }
-    model.embed_tokens = ridgefill::model::Tensor::from_data(
+    model.embed_tokens = Weight::Dense(ridgefill::model::Tensor::from_data(
         ridgefill::model::TensorData::new(emb, [c.vocab_size, d]),
         &model.device,
-    );
+    ));
     // Scored layer: q and k live in the slowest-rotating RoPE pair only (q from dim 1, k from
     // dim 0), so every query's score is large for the needle and zero elsewhere.
     let scored = SPLIT - 1;
     let width = q_dim + 2 * kv_dim;
-    let mut w = to_host_f32(model.layers[scored].qkv_proj.clone());
+    let mut w = to_host_f32(
+        model.layers[scored]
+            .qkv_proj
+            .dense(&model.device, model.dtype),
+    );
     let slow = hd / 2 - 1;
     for r in 0..d {
         for col in 0..q_dim + kv_dim {
@@ -617,10 +625,10 @@ fn chosen_spans_contain_a_planted_needle() {
             w[r * width + col] = want;
         }
     }
-    model.layers[scored].qkv_proj = ridgefill::model::Tensor::from_data(
+    model.layers[scored].qkv_proj = Weight::Dense(ridgefill::model::Tensor::from_data(
         ridgefill::model::TensorData::new(w, [d, width]),
         &model.device,
-    );
+    ));
     let maps = random_maps(&model, SPLIT, 5);
     for at in [40, 150, 260] {
         let mut ids: Vec<u32> = prompt(N, c.vocab_size)

@@ -10,7 +10,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use ridgefill::model::eval::{Skip, decode_bytes, decode_flops, prefill_flops};
 use ridgefill::model::fill::{DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, FillMaps, FillMethod, FillRows};
-use ridgefill::model::{DeviceChoice, FloatDType, KvCache, Llama, sample, to_host_f32};
+use ridgefill::model::{
+    DeviceChoice, FloatDType, KvCache, Llama, WeightFormat, sample, to_host_f32,
+};
 use ridgefill::session::{LoadArgs, Loaded, dtype_name, load};
 
 use serde::Serialize;
@@ -29,6 +31,10 @@ pub struct Args {
     /// Weight and activation dtype: f32 | f16 | bf16.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: FloatDType,
+    /// How GGUF weights are held: native (their block formats, read by the quantised CPU
+    /// kernels; dense elsewhere) | f16 | q8 | f32 (dequantised at load).
+    #[arg(long, default_value = "native", value_parser = super::common::parse_weights)]
+    pub weights: WeightFormat,
     /// Fill file from `ridgefill fit`: adds `fill` rows next to the `full` ones.
     #[arg(long, conflicts_with = "split")]
     pub fill: Option<PathBuf>,
@@ -352,6 +358,7 @@ pub fn load_any(
     model: &str,
     choice: DeviceChoice,
     dtype: FloatDType,
+    weights: WeightFormat,
     capacity: usize,
 ) -> Result<Bench> {
     if let Some(shape) = model.strip_prefix("synthetic:") {
@@ -375,6 +382,7 @@ pub fn load_any(
             model: model.to_string(),
             device: choice,
             dtype,
+            weights,
         },
         capacity,
     )?;
@@ -459,7 +467,7 @@ fn load_modes<'a>(
 fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> {
     let max_p = a.n_prompt.iter().copied().max().unwrap_or(0);
     let capacity = max_p.max(a.n_depth + a.n_gen).max(1) + 1;
-    let loaded = load_any(&a.model, choice, a.dtype, capacity)?;
+    let loaded = load_any(&a.model, choice, a.dtype, a.weights, capacity)?;
     let model = &loaded.model;
     let mut own = None;
     let (fill, rows) = load_modes(a, &loaded, &mut own)?;

@@ -1,6 +1,6 @@
 //! Flags and set-up shared by the model-running commands.
 
-use ridgefill::model::{DeviceChoice, FloatDType};
+use ridgefill::model::{DeviceChoice, FloatDType, WeightFormat};
 pub use ridgefill::session::load;
 
 #[derive(clap::Args, Clone, Debug)]
@@ -14,6 +14,16 @@ pub struct ModelArgs {
     /// Weight and activation dtype: f32 | f16 | bf16.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: FloatDType,
+    /// How GGUF weights are held: native (their block formats, read by the quantised CPU
+    /// kernels; dense elsewhere) | f16 | q8 (Q8_0 at load, e.g. for Hugging Face checkpoints) |
+    /// f32 (dequantised at load).
+    #[arg(long, default_value = "native", value_parser = parse_weights)]
+    pub weights: WeightFormat,
+}
+
+pub fn parse_weights(s: &str) -> std::result::Result<WeightFormat, String> {
+    WeightFormat::parse(s)
+        .ok_or_else(|| format!("unknown weight format {s:?} (expected native, f16, q8 or f32)"))
 }
 
 pub fn parse_dtype(s: &str) -> std::result::Result<FloatDType, String> {
@@ -33,6 +43,7 @@ impl ModelArgs {
             model: self.model.clone(),
             device: self.device,
             dtype: self.dtype,
+            weights: self.weights,
         }
     }
 }

@@ -6,7 +6,7 @@ use ridgefill::io::IoError;
 use ridgefill::io::fill::{FillDtype, FillFile, ModelFingerprint, SplitTrial};
 use ridgefill::io::stats::StatsFile;
 use ridgefill::io::text::collect_documents;
-use ridgefill::model::{DeviceChoice, FloatDType};
+use ridgefill::model::{DeviceChoice, FloatDType, WeightFormat};
 use ridgefill::session::{LoadArgs, load};
 use ridgefill_fit::FitError;
 use ridgefill_fit::calibrate::{CalibConfig, Control, calibrate_splits_with, calibrate_with};
@@ -25,6 +25,10 @@ pub struct Args {
     /// auto | cpu | wgpu | vulkan | metal | cuda.
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
+    /// How GGUF weights are held: native (their block formats, read by the quantised CPU
+    /// kernels; dense elsewhere) | f16 | q8 | f32 (dequantised at load).
+    #[arg(long, default_value = "native", value_parser = super::common::parse_weights)]
+    pub weights: WeightFormat,
     /// Calibration text: files or directories (the Brown corpus is detected and detagged).
     /// Default: the Brown corpus (`ridgefill fetch brown`).
     #[arg(long, num_args = 1..)]
@@ -223,6 +227,7 @@ pub fn run(a: Args) -> Result<()> {
             model: a.model.clone(),
             device: a.device,
             dtype: FloatDType::F32,
+            weights: a.weights,
         },
         a.ctx,
     )?;

@@ -5,7 +5,7 @@ use anyhow::{Result, bail};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use ridgefill::model::fill::FillRows;
-use ridgefill::model::{DeviceChoice, FloatDType, sample, to_host_f32};
+use ridgefill::model::{DeviceChoice, FloatDType, WeightFormat, sample, to_host_f32};
 
 use super::bench::load_any;
 use super::common::parse_dtype;
@@ -52,7 +52,7 @@ fn run_device(
     forced: Option<&[u32]>,
 ) -> Result<(Outputs, Vec<u32>, String)> {
     let capacity = a.n_prompt + a.n_gen + 1;
-    let b = load_any(&a.model, choice, a.dtype, capacity)?;
+    let b = load_any(&a.model, choice, a.dtype, WeightFormat::F32, capacity)?;
     let m = &b.model;
     let mut cache = m.new_cache(capacity);
     let mut full = vec![to_host_f32(m.prefill(ids, &mut cache)?)];

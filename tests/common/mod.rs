@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::{Once, OnceLock};
 
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::Device;
 use ridgefill::model::llama::{Llama, LoadOptions};
+use ridgefill::model::{Device, WeightFormat};
 
 static INIT: Once = Once::new();
 
@@ -47,10 +47,18 @@ pub fn smollm2_ckpt() -> &'static Checkpoint {
 /// Context covered by the test models' RoPE tables.
 pub const TEST_MAX_POSITIONS: usize = 1024;
 
+/// The model with dense f32 weights: what the golden values from transformers are compared
+/// against at tight tolerances.
 pub fn load_on(ckpt: &Checkpoint, device: &Device) -> Llama {
+    load_with(ckpt, device, WeightFormat::F32)
+}
+
+/// The model with its weights held as `weights` says.
+pub fn load_with(ckpt: &Checkpoint, device: &Device, weights: WeightFormat) -> Llama {
     init();
     let opts = LoadOptions {
         max_positions: TEST_MAX_POSITIONS,
+        weights,
         ..LoadOptions::default()
     };
     Llama::load(ckpt, device, &opts).expect("load model")

@@ -9,9 +9,9 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::{IoError, Result};
 use crate::gguf::{GGUF_MAGIC, GgufFile};
-use crate::quant::GgmlType;
 use crate::hf::{HfDir, SafetensorsSet};
 use crate::names::{expected_shape, gguf_to_hf_arch, hf_layer_index, required_tensors_iter};
+use crate::quant::GgmlType;
 use crate::tokenizer::Tokenizer;
 
 /// llama.cpp's converter permutes Q/K rows only for these architectures.
@@ -351,15 +351,17 @@ impl Checkpoint {
         let rows = shape.first().copied().unwrap_or(0);
         let bytes = match heads {
             None => bytes,
-            Some(n_heads) => SharedBytes::owned(unpermute_rows(&bytes, rows, n_heads).ok_or_else(
-                || IoError::BadTensor {
-                    path: file.path().to_path_buf(),
-                    tensor: self.display_name(hf_name),
-                    what: "rows for the Q/K un-permute".into(),
-                    expected: format!("a multiple of 2 x {n_heads} heads"),
-                    found: rows.to_string(),
-                },
-            )?),
+            Some(n_heads) => {
+                SharedBytes::owned(unpermute_rows(&bytes, rows, n_heads).ok_or_else(|| {
+                    IoError::BadTensor {
+                        path: file.path().to_path_buf(),
+                        tensor: self.display_name(hf_name),
+                        what: "rows for the Q/K un-permute".into(),
+                        expected: format!("a multiple of 2 x {n_heads} heads"),
+                        found: rows.to_string(),
+                    }
+                })?)
+            }
         };
         Ok(Some(StoredTensor {
             ty: info.ggml_type,
@@ -414,7 +416,11 @@ pub fn unpermute_qk_rows(data: &[f32], rows: usize, n_heads: usize) -> Option<Ve
 
 /// [`unpermute_qk_rows`] over any row contents (whole quantised blocks, for instance): rows
 /// move, their elements do not.
-pub fn unpermute_rows<T: Copy + Default>(data: &[T], rows: usize, n_heads: usize) -> Option<Vec<T>> {
+pub fn unpermute_rows<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    n_heads: usize,
+) -> Option<Vec<T>> {
     if rows == 0
         || n_heads == 0
         || !rows.is_multiple_of(n_heads)

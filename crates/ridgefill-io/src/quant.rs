@@ -37,6 +37,23 @@ const SIX_BITS: u8 = 0x3F;
 /// How many f16 values are converted per stack buffer, so the bulk converter can use SIMD.
 const F16_CHUNK: usize = 1024;
 
+/// Quantises `xs` to Q8_0 blocks (f16 scale `max|x| / 127`, 32 rounded `i8`), as ggml's
+/// reference quantiser does; `None` unless `xs` fills whole blocks.
+pub fn quantize_q8_0(xs: &[f32]) -> Option<Vec<u8>> {
+    if !xs.len().is_multiple_of(QK) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(xs.len() / QK * (F16_BYTES + QK));
+    for block in xs.chunks_exact(QK) {
+        let amax = block.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let d = amax / f32::from(i8::MAX);
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        out.extend(block.iter().map(|&x| ((x * id).round() as i8) as u8));
+    }
+    Some(out)
+}
+
 /// Errors of the pure dequantisation layer (no file context; callers add it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
@@ -467,6 +484,29 @@ fn deq_q6_k(raw: &[u8], out: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn q8_0_round_trips_within_half_a_step() {
+        let xs: Vec<f32> = (0..96)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
+            .collect();
+        let raw = quantize_q8_0(&xs).unwrap();
+        assert_eq!(raw.len(), 3 * GgmlType::Q8_0.type_size());
+        let back = dequantize(GgmlType::Q8_0, &raw, xs.len()).unwrap();
+        for (block, got) in xs.chunks(QK).zip(back.chunks(QK)) {
+            let step = block.iter().fold(0.0f32, |m, x| m.max(x.abs())) / 127.0;
+            for (a, b) in block.iter().zip(got) {
+                // Half a step of rounding, plus the f16 scale's relative error.
+                assert!((a - b).abs() <= 0.5 * step + a.abs() * 1e-3, "{a} vs {b}");
+            }
+        }
+        assert!(quantize_q8_0(&xs[..40]).is_none());
+        assert!(
+            quantize_q8_0(&[0.0; 32]).unwrap()[2..]
+                .iter()
+                .all(|&q| q == 0)
+        );
+    }
+
     use super::*;
 
     #[test]

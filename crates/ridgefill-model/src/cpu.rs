@@ -388,6 +388,37 @@ pub fn matmul_add(x: Tensor<2>, w: &Tensor<2>, residual: Tensor<2>) -> Tensor<2>
     gemm_into(x, w, Some(residual))
 }
 
+/// Matrix product with a weight held in GGUF blocks (`ridgefill-quant`), plus `residual` when
+/// given.
+///
+/// # Shapes
+/// - x: `[m, k]`, w: `[n, k]` blocks, residual: `[m, n]` → `[m, n]`
+pub fn qmatmul(
+    x: Tensor<2>,
+    w: &ridgefill_quant::QWeight,
+    residual: Option<Tensor<2>>,
+) -> Tensor<2> {
+    let [m, k] = x.dims();
+    let n = w.rows();
+    assert_eq!(k, w.cols(), "matmul inner dimensions");
+    let x = flex_with(x, Layout::is_contiguous);
+    let (xs, _) = rows2(&x);
+    let mut out = vec![0.0f32; m * n];
+    w.matmul(&xs[..m * k], m, &mut out)
+        .expect("operand sizes checked above");
+    if let Some(r) = residual {
+        assert_eq!(r.dims(), [m, n], "residual shape");
+        let r = flex(r);
+        let (rs, r_row) = rows2(&r);
+        for (i, row) in out.chunks_exact_mut(n).enumerate() {
+            row.iter_mut()
+                .zip(&rs[i * r_row..][..n])
+                .for_each(|(o, r)| *o += r);
+        }
+    }
+    wrap(out, [m, n])
+}
+
 /// RMSNorm with a weight, computed as Hugging Face does in f32: `x / sqrt(mean(x²) + eps) · w`.
 ///
 /// # Shapes

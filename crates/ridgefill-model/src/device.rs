@@ -239,3 +239,14 @@ fn cuda_device() -> Result<DeviceInfo> {
     #[cfg(not(feature = "cuda"))]
     Err(unavailable(DeviceChoice::Cuda))
 }
+
+/// Whether `device` is the flex CPU backend (where the quantised CPU kernels run).
+pub fn is_flex(device: &Device) -> bool {
+    #[cfg(feature = "flex")]
+    return matches!(device.as_dispatch(), burn::backend::DispatchDevice::Flex(_));
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = device;
+        false
+    }
+}

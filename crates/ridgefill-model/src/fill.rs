@@ -441,7 +441,11 @@ impl Llama {
             .iter()
             .map(|layer| {
                 let g = layer.input_layernorm.clone().unsqueeze_dim::<2>(1);
-                let w = layer.qkv_proj.clone().narrow(1, q_dim, 2 * kv_dim) * g;
+                let w = layer
+                    .qkv_proj
+                    .dense(&self.device, self.dtype)
+                    .narrow(1, q_dim, 2 * kv_dim)
+                    * g;
                 let intercept = match &layer.qkv_bias {
                     Some(b) => b.clone().narrow(0, q_dim, 2 * kv_dim).unsqueeze_dim::<2>(0),
                     None => zero_row.clone(),
@@ -475,7 +479,7 @@ impl Llama {
         let upper = self.num_layers() - maps.split;
         let b = h_split.dims()[0];
         // One GEMM for every upper layer's K and V.
-        let y = self.linear(self.fill_features(h_split), &maps.w);
+        let y = self.linear_dense(self.fill_features(h_split), &maps.w);
         let (k, v) = self.split_fill(y, maps.split, upper, b, pos);
         for i in 0..upper {
             let kl = k.clone().narrow(0, i, 1);
@@ -772,7 +776,7 @@ impl Llama {
                     .clone()
                     .narrow(1, self.config.q_dim(), kv2)
                     .narrow(0, first, k);
-                let resid = truth - self.linear(xe.clone(), &w);
+                let resid = truth - self.linear_dense(xe.clone(), &w);
                 w = w + p.clone().matmul(m.clone().matmul(resid));
             }
             match self.layers[l].window.filter(|_| !maps.fill_unread) {
@@ -781,13 +785,13 @@ impl Llama {
                     // ever read; the rest keep whatever the storage holds, masked out.
                     cache.reserve(l, n);
                     for r in window_reads(exact, window) {
-                        let y = self.linear(x_all.clone().narrow(0, r.start, r.len()), &w);
+                        let y = self.linear_dense(x_all.clone().narrow(0, r.start, r.len()), &w);
                         let (k, v) = self.split_fill(y, l, 1, r.len(), r.start);
                         cache.overwrite(l, r.start, k, v);
                     }
                 }
                 None => {
-                    let y = self.linear(x_all.clone(), &w);
+                    let y = self.linear_dense(x_all.clone(), &w);
                     let (k, v) = self.split_fill(y, l, 1, n, 0);
                     cache.append(l, k, v);
                 }

@@ -15,6 +15,7 @@ pub mod probe;
 pub mod rope;
 pub mod sample;
 pub mod synthetic;
+pub mod weight;
 
 pub use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 pub use cache::KvCache;
@@ -22,6 +23,7 @@ pub use device::{DeviceChoice, DeviceInfo, select_device};
 pub use error::{ModelError, Result};
 pub use llama::Llama;
 pub use sample::{Sampler, SamplerConfig};
+pub use weight::{Weight, WeightFormat};
 
 /// Copies a tensor back to the host as `f32` (whatever its dtype on the device).
 pub fn to_host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {

@@ -9,16 +9,20 @@
 //! Gemma's `(1 + w)` norms the `1 +` is added on load).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData, activation};
+use ridgefill_io::GgmlType;
 use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_io::config::{Activation, ModelConfig};
+use ridgefill_quant::{QMatrix, QWeight, WeightBytes};
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
+use crate::weight::{Weight, WeightFormat};
 
 /// Where a block's rows sit in the sequence.
 #[derive(Clone, Copy, Debug)]
@@ -65,13 +69,13 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3
 pub struct LlamaLayer {
     pub input_layernorm: Tensor<1>,
     /// HF `q_proj`, `k_proj`, `v_proj` side by side, `[hidden, q_dim + 2·kv_dim]`: one GEMM.
-    pub qkv_proj: Tensor<2>,
+    pub qkv_proj: Weight,
     /// Their biases side by side, `[q_dim + 2·kv_dim]` (Qwen2; zeros for a missing part).
     pub qkv_bias: Option<Tensor<1>>,
     /// Per-head RMSNorm weights of Q and K, `[head_dim]` (Qwen3, Gemma 3).
     pub q_norm: Option<Tensor<1>>,
     pub k_norm: Option<Tensor<1>>,
-    pub o_proj: Tensor<2>,
+    pub o_proj: Weight,
     /// `[hidden]`, when the checkpoint has one.
     pub o_bias: Option<Tensor<1>>,
     /// Llama: the pre-MLP norm. With sandwich norms (Gemma 3): the norm of the attention output.
@@ -80,8 +84,8 @@ pub struct LlamaLayer {
     pub pre_feedforward_layernorm: Option<Tensor<1>>,
     pub post_feedforward_layernorm: Option<Tensor<1>>,
     /// HF `gate_proj` and `up_proj` side by side, `[hidden, 2·intermediate]`: one GEMM.
-    pub gate_up_proj: Tensor<2>,
-    pub down_proj: Tensor<2>,
+    pub gate_up_proj: Weight,
+    pub down_proj: Weight,
     /// Keys a query sees (itself included) on a sliding-window layer; `None` for full attention.
     pub window: Option<usize>,
     /// Rotates with [`Llama::rope_local`] (Gemma 3's sliding layers) instead of [`Llama::rope`].
@@ -90,11 +94,13 @@ pub struct LlamaLayer {
 
 pub struct Llama {
     pub config: ModelConfig,
-    pub embed_tokens: Tensor<2>,
+    /// `[vocab, hidden]`.
+    pub embed_tokens: Weight,
     pub layers: Vec<LlamaLayer>,
     pub norm: Tensor<1>,
-    /// Output head, transposed: `[hidden, vocab]` (a copy of the embedding when tied).
-    pub lm_head: Tensor<2>,
+    /// Output head, transposed: `[hidden, vocab]` (the embedding's blocks themselves, or a
+    /// dense copy, when tied).
+    pub lm_head: Weight,
     /// RoPE of full-attention layers (and of every layer without a local base).
     pub rope: Rope,
     /// RoPE of sliding-window layers with their own base (Gemma 3), without `rope_scaling`.
@@ -114,6 +120,8 @@ pub struct LoadOptions {
     pub dtype: FloatDType,
     /// Positions the RoPE tables cover (the context the caller intends to use).
     pub max_positions: usize,
+    /// How GGUF weights are held.
+    pub weights: WeightFormat,
 }
 
 impl Default for LoadOptions {
@@ -121,6 +129,7 @@ impl Default for LoadOptions {
         Self {
             dtype: FloatDType::F32,
             max_positions: 4096,
+            weights: WeightFormat::default(),
         }
     }
 }
@@ -129,6 +138,8 @@ struct Loader<'a> {
     ckpt: &'a Checkpoint,
     device: &'a Device,
     dtype: FloatDType,
+    /// Projections go to the quantised CPU kernels in this format (`None`: dense tensors).
+    blocks: Option<WeightFormat>,
 }
 
 impl Loader<'_> {
@@ -216,6 +227,83 @@ impl Loader<'_> {
         Ok(transposed(&rows, total, inp, self.device).cast(self.dtype))
     }
 
+    /// A projection from HF `[out_i, in]` weights side by side: blocks for the CPU kernels where
+    /// the format allows, else a dense `[in, Σ out_i]` tensor.
+    fn proj(&self, parts: &[(String, usize)], inp: usize) -> Result<Weight> {
+        match self.blocks_of(parts, inp)? {
+            Some(q) => Ok(Weight::Blocks(Arc::new(q))),
+            None => Ok(Weight::Dense(self.fused_t(parts, inp)?)),
+        }
+    }
+
+    /// HF `[out_i, in]` weights stacked along their output rows as blocks, or `None` where the
+    /// format keeps them dense (a Hugging Face checkpoint at `native`, a type without a kernel).
+    fn blocks_of(&self, parts: &[(String, usize)], inp: usize) -> Result<Option<QWeight>> {
+        let Some(format) = self.blocks else {
+            return Ok(None);
+        };
+        let mut mats = Vec::with_capacity(parts.len());
+        for (name, out) in parts {
+            let bad = |e: ridgefill_quant::QError| {
+                ModelError::Invalid(format!("{}: tensor {name}: {e}", self.ckpt.path.display()))
+            };
+            let m = match format {
+                WeightFormat::Native => {
+                    let Some(st) = self.ckpt.tensor_stored(name)? else {
+                        return Ok(None);
+                    };
+                    if st.shape != [*out, inp] {
+                        return Err(ModelError::TensorSize {
+                            path: self.ckpt.path.clone(),
+                            tensor: name.to_string(),
+                            expected: out * inp,
+                            found: st.shape.iter().product(),
+                            shape: vec![*out, inp],
+                        });
+                    }
+                    let bytes = WeightBytes::from_owner(Arc::new(st.bytes), |b| &b[..]);
+                    match QMatrix::new(st.ty, *out, inp, bytes) {
+                        Err(ridgefill_quant::QError::Unsupported(_)) => return Ok(None),
+                        m => m.map_err(bad)?,
+                    }
+                }
+                WeightFormat::F16 => {
+                    let data = self.host(name, &[*out, inp])?;
+                    let bytes: Vec<u8> = data
+                        .iter()
+                        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                        .collect();
+                    QMatrix::new(GgmlType::F16, *out, inp, WeightBytes::from_vec(bytes))
+                        .map_err(bad)?
+                }
+                WeightFormat::Q8 => {
+                    let data = self.host(name, &[*out, inp])?;
+                    // Rows that do not fill whole blocks stay dense.
+                    let Some(bytes) = ridgefill_io::quant::quantize_q8_0(&data)
+                        .filter(|_| inp.is_multiple_of(GgmlType::Q8_0.block_size()))
+                    else {
+                        return Ok(None);
+                    };
+                    QMatrix::new(GgmlType::Q8_0, *out, inp, WeightBytes::from_vec(bytes))
+                        .map_err(bad)?
+                }
+                WeightFormat::F32 => return Ok(None),
+            };
+            mats.push(m);
+        }
+        QWeight::new(mats)
+            .map(Some)
+            .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.ckpt.path.display())))
+    }
+
+    /// The embedding `[vocab, hidden]`: blocks where the format allows, else dense.
+    fn embedding(&self, name: &str, vocab: usize, d: usize) -> Result<Weight> {
+        match self.blocks_of(&[(name.to_string(), vocab)], d)? {
+            Some(q) => Ok(Weight::Blocks(Arc::new(q))),
+            None => Ok(Weight::Dense(self.matrix(name, vocab, d)?)),
+        }
+    }
+
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor<2>> {
         let data = self.host(name, &[rows, cols])?;
         Ok(
@@ -275,6 +363,21 @@ pub(crate) fn ropes(
     (rope, local)
 }
 
+/// `x · Wᵀ` (plus `residual`) through the quantised CPU kernels; block weights are only loaded
+/// for flex.
+///
+/// # Shapes
+/// - x: `[m, k]`, w: `[n, k]` blocks, residual: `[m, n]` → `[m, n]`
+fn block_matmul(x: Tensor<2>, w: &QWeight, residual: Option<Tensor<2>>) -> Tensor<2> {
+    #[cfg(feature = "flex")]
+    return crate::cpu::qmatmul(x, w, residual);
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = (x, w, residual);
+        unreachable!("block weights are loaded only for the flex device")
+    }
+}
+
 /// Host-side transpose of a row-major `[rows, cols]` matrix into a `[cols, rows]` tensor.
 fn transposed(data: &[f32], rows: usize, cols: usize, device: &Device) -> Tensor<2> {
     let mut t = vec![0.0f32; data.len()];
@@ -310,10 +413,16 @@ impl Llama {
             });
         }
         cfg.validate(&ckpt.path)?;
+        // The quantised kernels run on the host with f32 activations: flex only.
+        let blocks = (opts.weights != WeightFormat::F32
+            && opts.dtype == FloatDType::F32
+            && crate::device::is_flex(device))
+        .then_some(opts.weights);
         let ld = Loader {
             ckpt,
             device,
             dtype: opts.dtype,
+            blocks,
         };
         let d = cfg.hidden_size;
         let q_dim = cfg.num_attention_heads * cfg.head_dim();
@@ -346,7 +455,7 @@ impl Llama {
             let o_bias_name = attn("o_proj", "bias");
             layers.push(LlamaLayer {
                 input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), d)?,
-                qkv_proj: ld.fused_t(
+                qkv_proj: ld.proj(
                     &[
                         (attn("q_proj", "weight"), q_dim),
                         (attn("k_proj", "weight"), kv_dim),
@@ -361,7 +470,7 @@ impl Llama {
                 ])?,
                 q_norm,
                 k_norm,
-                o_proj: ld.linear_t(&attn("o_proj", "weight"), d, q_dim)?,
+                o_proj: ld.proj(&[(attn("o_proj", "weight"), d)], q_dim)?,
                 o_bias: if ckpt.has_tensor(&o_bias_name) {
                     Some(ld.vector(&o_bias_name, d)?)
                 } else {
@@ -371,25 +480,27 @@ impl Llama {
                     .norm(&format!("{p}.post_attention_layernorm.weight"), d)?,
                 pre_feedforward_layernorm: pre_ff,
                 post_feedforward_layernorm: post_ff,
-                gate_up_proj: ld.fused_t(
+                gate_up_proj: ld.proj(
                     &[
                         (format!("{p}.mlp.gate_proj.weight"), ff),
                         (format!("{p}.mlp.up_proj.weight"), ff),
                     ],
                     d,
                 )?,
-                down_proj: ld.linear_t(&format!("{p}.mlp.down_proj.weight"), d, ff)?,
+                down_proj: ld.proj(&[(format!("{p}.mlp.down_proj.weight"), d)], ff)?,
                 window: cfg.layer_window(i),
                 local_rope: cfg.layer_uses_local_rope(i),
             });
         }
-        let embed_tokens = ld.matrix("model.embed_tokens.weight", cfg.vocab_size, d)?;
-        let head_name = if cfg.tie_word_embeddings || !ckpt.has_tensor("lm_head.weight") {
-            "model.embed_tokens.weight"
-        } else {
-            "lm_head.weight"
+        let embed_name = "model.embed_tokens.weight";
+        let embed_tokens = ld.embedding(embed_name, cfg.vocab_size, d)?;
+        let tied = cfg.tie_word_embeddings || !ckpt.has_tensor("lm_head.weight");
+        let lm_head = match (&embed_tokens, tied) {
+            // The tied head reads the embedding's own blocks: no second copy.
+            (Weight::Blocks(_), true) => embed_tokens.clone(),
+            (_, true) => Weight::Dense(ld.linear_t(embed_name, cfg.vocab_size, d)?),
+            (_, false) => ld.proj(&[("lm_head.weight".to_string(), cfg.vocab_size)], d)?,
         };
-        let lm_head = ld.linear_t(head_name, cfg.vocab_size, d)?;
         let norm = ld.norm("model.norm.weight", d)?;
         let divisors = rope_divisors(ckpt, &cfg)?;
         let (rope, rope_local) = ropes(
@@ -442,9 +553,9 @@ impl Llama {
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::TokenOutOfRange { id, vocab });
         }
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
-        let x = self.embed_tokens.clone().select(0, ids);
+        let x = self
+            .embed_tokens
+            .gather_rows(tokens, &self.device, self.dtype);
         Ok(match self.config.embed_scale {
             // HF rounds the scale to the activation dtype before multiplying (Gemma).
             Some(s) => {
@@ -486,12 +597,59 @@ impl Llama {
     ///
     /// # Shapes
     /// - x: `[m, k]`, w: `[k, n]` → `[m, n]`
-    pub fn linear(&self, x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
+    pub fn linear(&self, x: Tensor<2>, w: &Weight) -> Tensor<2> {
+        match w {
+            Weight::Dense(w) => self.linear_dense(x, w),
+            Weight::Blocks(q) => block_matmul(x, q, None),
+        }
+    }
+
+    /// [`Llama::linear`] added to a residual stream.
+    ///
+    /// # Shapes
+    /// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
+    pub fn linear_add(&self, x: Tensor<2>, w: &Weight, residual: Tensor<2>) -> Tensor<2> {
+        match w {
+            #[cfg(feature = "flex")]
+            Weight::Dense(w) if self.cpu_kernels && w.dtype() == x.dtype() => {
+                crate::cpu::matmul_add(x, w, residual)
+            }
+            Weight::Dense(w) => residual + self.linear_dense(x, w),
+            Weight::Blocks(q) => block_matmul(x, q, Some(residual)),
+        }
+    }
+
+    /// [`Llama::linear`] over a dense `[k, n]` tensor (fill maps, dense weights).
+    pub fn linear_dense(&self, x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
         #[cfg(feature = "flex")]
         if self.cpu_kernels && w.dtype() == x.dtype() {
             return crate::cpu::matmul(x, w);
         }
         x.matmul(w.clone())
+    }
+
+    /// Bytes the weights keep resident (block weights: their share of the mapped file; a tied
+    /// head that reads the embedding's blocks is counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let mut total: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj]
+                    .iter()
+                    .map(|w| w.resident_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        total += self.embed_tokens.resident_bytes();
+        let shared = match (&self.embed_tokens, &self.lm_head) {
+            (Weight::Blocks(a), Weight::Blocks(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if !shared {
+            total += self.lm_head.resident_bytes();
+        }
+        total
     }
 
     /// RMSNorm, computed in f32 whatever the activation dtype (f16 squares overflow).
@@ -683,11 +841,11 @@ impl Llama {
             let seen = store(cache, l, k, v, at);
             let (k_all, v_all) = cache.read(l);
             let a = crate::cpu::attention(q, k_all, v_all, &seen);
-            let h = crate::cpu::matmul_add(a, &layer.o_proj, h);
+            let h = self.linear_add(a, &layer.o_proj, h);
             let x = self.rms_norm(h.clone(), Some(&layer.post_attention_layernorm));
-            let gu = crate::cpu::matmul(x, &layer.gate_up_proj);
+            let gu = self.linear(x, &layer.gate_up_proj);
             let act = crate::cpu::swiglu(gu);
-            return (crate::cpu::matmul_add(act, &layer.down_proj, h), kv_pre);
+            return (self.linear_add(act, &layer.down_proj, h), kv_pre);
         }
         let rotate = |x: Tensor<4>| match at {
             At::Next(pos) => rope.apply(x, pos),
@@ -699,7 +857,7 @@ impl Llama {
         let (k_all, v_all) = cache.read(l);
         let attn = self.attend(q, k_all, v_all, heads, kv_heads, &seen, layer.window);
         let attn = attn.swap_dims(1, 2).reshape([m, heads * hd]);
-        let mut out = attn.matmul(layer.o_proj.clone());
+        let mut out = self.linear(attn, &layer.o_proj);
         if let Some(b) = &layer.o_bias {
             out = out + b.clone().unsqueeze_dim::<2>(0);
         }
@@ -718,14 +876,14 @@ impl Llama {
 
         let x = self.rms_norm(h.clone(), pre_mlp);
         let ff = cfg.intermediate_size;
-        let gate_up = x.matmul(layer.gate_up_proj.clone());
+        let gate_up = self.linear(x, &layer.gate_up_proj);
         let gate = gate_up.clone().narrow(1, 0, ff);
         let gate = match cfg.hidden_act {
             Activation::Silu => activation::silu(gate),
             Activation::GeluTanh => gelu_tanh(gate),
         };
         let up = gate_up.narrow(1, ff, ff);
-        let y = (gate * up).matmul(layer.down_proj.clone());
+        let y = self.linear(gate * up, &layer.down_proj);
         let y = match post_mlp {
             Some(w) => self.rms_norm(y, Some(w)),
             None => y,

@@ -7,6 +7,7 @@ use ridgefill_io::config::ModelConfig;
 
 use crate::error::{ModelError, Result};
 use crate::llama::{Llama, LlamaLayer};
+use crate::weight::Weight;
 
 /// Model names accepted after `synthetic:`.
 pub const SHAPES: &[&str] = &["smollm2-135m", "llama-1b"];
@@ -116,17 +117,17 @@ impl Llama {
         let mut layers: Vec<LlamaLayer> = (0..config.num_hidden_layers)
             .map(|l| LlamaLayer {
                 input_layernorm: g.norm(d),
-                qkv_proj: g.matrix(d, q_dim + 2 * kv_dim, d),
+                qkv_proj: Weight::Dense(g.matrix(d, q_dim + 2 * kv_dim, d)),
                 qkv_bias: None,
                 q_norm: None,
                 k_norm: None,
-                o_proj: g.matrix(q_dim, d, q_dim),
+                o_proj: Weight::Dense(g.matrix(q_dim, d, q_dim)),
                 o_bias: None,
                 post_attention_layernorm: g.norm(d),
                 pre_feedforward_layernorm: None,
                 post_feedforward_layernorm: None,
-                gate_up_proj: g.matrix(d, 2 * ff, d),
-                down_proj: g.matrix(ff, d, ff),
+                gate_up_proj: Weight::Dense(g.matrix(d, 2 * ff, d)),
+                down_proj: Weight::Dense(g.matrix(ff, d, ff)),
                 window: config.layer_window(l),
                 local_rope: config.layer_uses_local_rope(l),
             })
@@ -157,10 +158,10 @@ impl Llama {
             crate::llama::ropes(&config, None, max_positions.max(1), dtype, device);
         Ok(Self {
             config,
-            embed_tokens,
+            embed_tokens: Weight::Dense(embed_tokens),
             layers,
             norm,
-            lm_head,
+            lm_head: Weight::Dense(lm_head),
             rope,
             rope_local,
             device: device.clone(),

@@ -1,0 +1,125 @@
+//! Projection and embedding weights: a dense tensor on the device, or GGUF blocks as stored in
+//! the file (memory-mapped, never dequantised as a whole) for the quantised CPU kernels of
+//! `ridgefill-quant`.
+
+use std::sync::Arc;
+
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use ridgefill_quant::QWeight;
+
+/// How a checkpoint's weights are held (`--weights`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// GGUF weights in their block formats, read by the quantised CPU kernels (flex with f32
+    /// activations); elsewhere, and for Hugging Face checkpoints, dense at the model's dtype.
+    #[default]
+    Native,
+    /// Dequantised at load to f16 blocks for the CPU kernels (dense elsewhere).
+    F16,
+    /// Quantised at load to Q8_0 blocks for the CPU kernels (Hugging Face checkpoints).
+    Q8,
+    /// Dequantised at load to dense tensors at the model's dtype.
+    F32,
+}
+
+impl WeightFormat {
+    pub const ALL: [WeightFormat; 4] = [Self::Native, Self::F16, Self::Q8, Self::F32];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::F16 => "f16",
+            Self::Q8 => "q8",
+            Self::F32 => "f32",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|w| w.name() == s)
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One weight matrix.
+#[derive(Clone)]
+pub enum Weight {
+    /// A projection stored `[in, out]` (`x · w`); the embedding `[vocab, hidden]`.
+    Dense(Tensor<2>),
+    /// Blocks `[out, in]` row by row (the embedding: `[vocab, hidden]`), on the host; only built
+    /// for the flex device.
+    Blocks(Arc<QWeight>),
+}
+
+impl Weight {
+    /// `[in, out]` of a projection.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Weight::Dense(t) => t.dims(),
+            Weight::Blocks(q) => [q.cols(), q.rows()],
+        }
+    }
+
+    /// The projection as a dense `[in, out]` tensor (block weights dequantised): for the fill's
+    /// own-projection maps and for tests, never on a hot path.
+    pub fn dense(&self, device: &Device, dtype: FloatDType) -> Tensor<2> {
+        match self {
+            Weight::Dense(t) => t.clone(),
+            Weight::Blocks(q) => {
+                let data = TensorData::new(q.dequantize(), [q.rows(), q.cols()]);
+                Tensor::<2>::from_data(data, device).transpose().cast(dtype)
+            }
+        }
+    }
+
+    /// The embedding as a dense `[vocab, hidden]` tensor (block weights dequantised): tests only.
+    pub fn embedding_dense(&self, device: &Device, dtype: FloatDType) -> Tensor<2> {
+        match self {
+            Weight::Dense(t) => t.clone(),
+            Weight::Blocks(q) => {
+                let data = TensorData::new(q.dequantize(), [q.rows(), q.cols()]);
+                Tensor::<2>::from_data(data, device).cast(dtype)
+            }
+        }
+    }
+
+    /// Bytes the weight keeps resident (mapped file pages for block weights).
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            Weight::Dense(t) => t.shape().num_elements() * t.dtype().size(),
+            Weight::Blocks(q) => q.bytes(),
+        }
+    }
+
+    /// Whether the weight is held in blocks for the quantised kernels.
+    pub fn is_blocks(&self) -> bool {
+        matches!(self, Weight::Blocks(_))
+    }
+
+    /// Rows `ids` of an embedding, `[ids.len(), hidden]`.
+    pub(crate) fn gather_rows(&self, ids: &[u32], device: &Device, dtype: FloatDType) -> Tensor<2> {
+        match self {
+            Weight::Dense(t) => {
+                let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+                let n = ids.len();
+                let ids =
+                    Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(ids, [n]), device);
+                t.clone().select(0, ids)
+            }
+            Weight::Blocks(q) => {
+                let d = q.cols();
+                let mut out = vec![0.0f32; ids.len() * d];
+                for (row, &id) in out.chunks_exact_mut(d).zip(ids) {
+                    // Ids were checked against the vocabulary by the caller.
+                    q.dequantize_rows_into(id as usize, row)
+                        .expect("embedding row within the vocabulary");
+                }
+                Tensor::<2>::from_data(TensorData::new(out, [ids.len(), d]), device).cast(dtype)
+            }
+        }
+    }
+}
