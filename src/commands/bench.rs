@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use ridgefill::model::eval::{Skip, decode_bytes, decode_flops, prefill_flops};
+use ridgefill::model::eval::{Skip, decode_flops, prefill_flops};
 use ridgefill::model::fill::{DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, FillMaps, FillMethod, FillRows};
 use ridgefill::model::{
     DeviceChoice, FloatDType, KvCache, Llama, WeightFormat, sample, to_host_f32,
@@ -108,8 +108,12 @@ struct Header {
     backend: &'static str,
     device: String,
     dtype: &'static str,
-    /// Weights are dequantised to `dtype` on load (`type_k`/`type_v` in llama-bench's terms).
+    /// Tensor types stored in the checkpoint.
     weights_source: String,
+    /// How the projections are held while running: GGUF blocks or dense tensors.
+    weights_held: String,
+    /// Bytes the weights keep resident.
+    weight_bytes: usize,
     burn_version: &'static str,
     ridgefill_version: &'static str,
     n_threads: usize,
@@ -137,6 +141,8 @@ struct Row {
     n_gen: usize,
     n_depth: usize,
     n_reps: usize,
+    /// K/V cache bytes the row's positions fill.
+    kv_bytes: usize,
     avg_ns: f64,
     stddev_ns: f64,
     avg_ts: f64,
@@ -495,6 +501,8 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
             .ckpt
             .as_ref()
             .map_or("random f32 (synthetic)".into(), stored_dtypes),
+        weights_held: model.weights_held(),
+        weight_bytes: model.weight_bytes(),
         burn_version: env!("RIDGEFILL_BURN_VERSION"),
         ridgefill_version: env!("CARGO_PKG_VERSION"),
         n_threads: flex_threads(),
@@ -508,10 +516,6 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
         model,
         rng: StdRng::seed_from_u64(PROMPT_SEED),
         cache: model.new_cache(capacity),
-    };
-    let bytes_per_value = match a.dtype {
-        FloatDType::F16 | FloatDType::BF16 => 2,
-        _ => 4,
     };
     let mut rows = Vec::new();
     for &n in &a.n_prompt {
@@ -536,6 +540,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
             &series,
             RowKind::Pp { n },
             |m| (flops(m), None),
+            |n| model.kv_bytes(n),
         ));
     }
     if a.n_gen > 0 {
@@ -547,7 +552,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
         let ctx = a.n_depth.max(1) + a.n_gen / 2;
         let per_token = (
             decode_flops(&model.config, ctx) * a.n_gen as f64,
-            Some(decode_bytes(&model.config, ctx, bytes_per_value) * a.n_gen as f64),
+            Some(model.decode_read_bytes(ctx) as f64 * a.n_gen as f64),
         );
         rows.extend(make_rows(
             &header,
@@ -558,6 +563,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
                 depth: a.n_depth.max(1),
             },
             |_| per_token,
+            |n| model.kv_bytes(n),
         ));
     }
     Ok(rows)
@@ -576,6 +582,7 @@ fn make_rows(
     series: &[Series],
     kind: RowKind,
     work: impl Fn(Option<&FillMaps>) -> (f64, Option<f64>),
+    header_kv: impl Fn(usize) -> usize,
 ) -> Vec<Row> {
     let (test, n_prompt, n_gen, n_depth, tokens) = match kind {
         RowKind::Pp { n } => (format!("pp{n}"), n, 0, 0, n),
@@ -624,6 +631,7 @@ fn make_rows(
                 n_gen,
                 n_depth,
                 n_reps: s.secs.len(),
+                kv_bytes: header_kv(n_prompt.max(n_depth + n_gen)),
                 avg_ns,
                 stddev_ns,
                 avg_ts,
@@ -678,12 +686,14 @@ fn render_md(rows: &[Row]) -> String {
                 s.push('\n');
             }
             s.push_str(&format!(
-                "model: {} ({}, {} layers, {}), backend: {}, device: {}, dtype: {}, threads: {}, \
-                 burn {}, autotune cache warm: {}\n",
+                "model: {} ({}, {} layers, {}), weights held as {} ({:.1} MB), backend: {}, \
+                 device: {}, dtype: {}, threads: {}, burn {}, autotune cache warm: {}\n",
                 h.model,
                 h.model_type,
                 h.n_layers,
                 h.weights_source,
+                h.weights_held,
+                h.weight_bytes as f64 / 1e6,
                 h.backend,
                 h.device,
                 h.dtype,
@@ -702,8 +712,8 @@ fn render_md(rows: &[Row]) -> String {
                 _ => s.push_str("ceilings: not measured\n"),
             }
             s.push_str(
-                "\n| backend | mode | test | t/s | TTFT ms | vs full | GFLOP/s | GB/s | % ceiling |\n\
-                 |---|---|---|---:|---:|---:|---:|---:|---:|\n",
+                "\n| backend | mode | test | t/s | TTFT ms | vs full | GFLOP/s | GB/s | % ceiling | KV MB |\n\
+                 |---|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
             );
             last_device = Some(key);
         }
@@ -723,8 +733,13 @@ fn render_md(rows: &[Row]) -> String {
             .or(r.pct_fma_ceiling)
             .map_or(String::new(), |p| format!("{p:.0}%"));
         s.push_str(&format!(
-            "| {} | {mode} | {} | {:.2} ± {:.2} | {ttft} | {speed} | {:.1} | {gbs} | {pct} |\n",
-            r.header.backend, r.test, r.avg_ts, r.stddev_ts, r.gflops
+            "| {} | {mode} | {} | {:.2} ± {:.2} | {ttft} | {speed} | {:.1} | {gbs} | {pct} | {:.1} |\n",
+            r.header.backend,
+            r.test,
+            r.avg_ts,
+            r.stddev_ts,
+            r.gflops,
+            r.kv_bytes as f64 / 1e6
         ));
     }
     s

@@ -245,19 +245,3 @@ pub fn decode_flops(c: &ModelConfig, ctx: usize) -> f64 {
         .sum::<f64>()
         + head
 }
-
-/// Bytes a decode step must read with `ctx` positions cached: every weight matrix (the embedding
-/// is a row gather, so only the head counts) and the whole K/V cache, at `bytes_per_value`.
-pub fn decode_bytes(c: &ModelConfig, ctx: usize, bytes_per_value: usize) -> f64 {
-    let (d, q, kv, ff) = (
-        c.hidden_size as f64,
-        c.q_dim() as f64,
-        c.kv_dim() as f64,
-        c.intermediate_size as f64,
-    );
-    let layers = c.num_hidden_layers as f64;
-    let per_layer = d * (q + 2.0 * kv) + q * d + 3.0 * d * ff + 2.0 * d;
-    let head = d * c.vocab_size as f64 + d;
-    let cache = layers * 2.0 * kv * (ctx + 1) as f64;
-    (per_layer * layers + head + cache) * bytes_per_value as f64
-}

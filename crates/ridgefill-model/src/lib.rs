@@ -25,6 +25,16 @@ pub use llama::Llama;
 pub use sample::{Sampler, SamplerConfig};
 pub use weight::{Weight, WeightFormat};
 
+/// A dtype's short name: f32, f16, bf16.
+pub fn dtype_name(d: FloatDType) -> &'static str {
+    match d {
+        FloatDType::F16 => "f16",
+        FloatDType::BF16 => "bf16",
+        FloatDType::F64 => "f64",
+        _ => "f32",
+    }
+}
+
 /// Copies a tensor back to the host as `f32` (whatever its dtype on the device).
 pub fn to_host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data()

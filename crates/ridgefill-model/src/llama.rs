@@ -628,6 +628,62 @@ impl Llama {
         x.matmul(w.clone())
     }
 
+    /// Bytes of K/V cache for `positions` positions at the model's dtype.
+    pub fn kv_bytes(&self, positions: usize) -> usize {
+        let c = &self.config;
+        let value = match self.dtype {
+            FloatDType::F16 | FloatDType::BF16 => 2,
+            FloatDType::F64 => 8,
+            _ => 4,
+        };
+        self.num_layers() * 2 * c.kv_dim() * positions * value
+    }
+
+    /// Bytes a decode step reads with `ctx` positions cached: every layer's projections, the
+    /// head (the embedding is a row gather) and the whole K/V cache.
+    pub fn decode_read_bytes(&self, ctx: usize) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj]
+                    .iter()
+                    .map(|w| w.resident_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + self.lm_head.resident_bytes() + self.kv_bytes(ctx + 1)
+    }
+
+    /// How the projections are held, for reports: `blocks (Q4_1, Q8_0)` or `dense f32`.
+    pub fn weights_held(&self) -> String {
+        let mut kinds: Vec<String> = Vec::new();
+        let all = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj])
+            .chain([&self.lm_head]);
+        let mut dense = false;
+        for w in all {
+            match w {
+                Weight::Blocks(q) => {
+                    for p in q.parts() {
+                        let n = p.ty().name().to_string();
+                        if !kinds.contains(&n) {
+                            kinds.push(n);
+                        }
+                    }
+                }
+                Weight::Dense(_) => dense = true,
+            }
+        }
+        match (kinds.is_empty(), dense) {
+            (true, _) => format!("dense {}", crate::dtype_name(self.dtype)),
+            (false, false) => format!("blocks ({})", kinds.join(", ")),
+            (false, true) => format!("blocks ({}) and dense", kinds.join(", ")),
+        }
+    }
+
     /// Bytes the weights keep resident (block weights: their share of the mapped file; a tied
     /// head that reads the embedding's blocks is counted once).
     pub fn weight_bytes(&self) -> usize {
