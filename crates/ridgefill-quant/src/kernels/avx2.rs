@@ -17,6 +17,27 @@ use crate::act::{KSUM, Q8KRow, Q8Row, QK, QK_K};
 /// Rows per kernel pass.
 const ROWS: usize = 4;
 
+/// Software prefetch distance for `R` rows of `row_bytes`: a whole number of `R`-row groups
+/// (so it lands on the same row and block of a later group) of at least this many bytes.
+///
+/// The hardware prefetchers alone stream these interleaved row reads at a fraction of the memory
+/// bandwidth (measured 3-4 GB/s against 7 GB/s with the prefetch, single thread, bench `formats`).
+const PREFETCH_MIN: usize = 4096;
+
+#[inline]
+fn prefetch_distance(rows: usize, row_bytes: usize) -> usize {
+    let group = rows * row_bytes;
+    PREFETCH_MIN.div_ceil(group.max(1)) * group
+}
+
+/// Prefetches the cache line at `p + dist` into L1. Any address is allowed (a prefetch never
+/// faults), hence the wrapping arithmetic past the end of the weights.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch(p: *const u8, dist: usize) {
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(dist) as *const i8);
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_at(p: *const u8) -> f32 {
@@ -100,6 +121,7 @@ macro_rules! legacy_kernel {
             out: *mut f32,
         ) {
             let ts = $ty.type_size();
+            let dist = prefetch_distance(R, row_bytes);
             let mut acc = [_mm256_setzero_ps(); R];
             let mut corr = [0.0f32; R];
             for b in 0..x.d.len() {
@@ -110,6 +132,7 @@ macro_rules! legacy_kernel {
                     let sx = *x.s.get_unchecked(b);
                     for r in 0..R {
                         let $p = w.add(r * row_bytes + b * ts);
+                        prefetch($p, dist);
                         let (dot, d, c): (__m256i, f32, f32) = $block;
                         acc[r] = _mm256_fmadd_ps(
                             _mm256_cvtepi32_ps(dot),
@@ -182,6 +205,7 @@ unsafe fn q45_k<const R: usize, const FIVE: bool>(
         GgmlType::Q4_K.type_size()
     };
     let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+    let dist = prefetch_distance(R, row_bytes);
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -197,6 +221,9 @@ unsafe fn q45_k<const R: usize, const FIVE: bool>(
                 _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             for r in 0..R {
                 let p = w.add(r * row_bytes + b * ts);
+                for line in (0..ts).step_by(64) {
+                    prefetch(p, dist + line);
+                }
                 let d = f16_at(p) * dx;
                 let dmin = f16_at(p.add(2)) * dx;
                 let (sc, mn) = k4_scales(&*(p.add(K_SCALES) as *const [u8; 12]));
@@ -252,6 +279,7 @@ unsafe fn q45_k<const R: usize, const FIVE: bool>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k<const R: usize>(w: *const u8, row_bytes: usize, x: Q8KRow<'_>, out: *mut f32) {
     let ts = GgmlType::Q6_K.type_size();
+    let dist = prefetch_distance(R, row_bytes);
     let m4 = _mm256_set1_epi8(0x0F);
     // In-lane byte shuffle: the low half repeats i16 0 of each dword, the high half i16 1.
     let halves = _mm256_setr_epi8(
@@ -267,6 +295,9 @@ unsafe fn q6_k<const R: usize>(w: *const u8, row_bytes: usize, x: Q8KRow<'_>, ou
             let bs = load(x.bsums.as_ptr().add(b * (QK_K / KSUM)) as *const u8);
             for r in 0..R {
                 let p = w.add(r * row_bytes + b * ts);
+                for line in (0..ts).step_by(64) {
+                    prefetch(p, dist + line);
+                }
                 let d = f16_at(p.add(Q6K_D)) * dx;
                 let sc16 =
                     _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(Q6K_SCALES) as *const __m128i));
@@ -362,6 +393,8 @@ unsafe fn float_rows<const R: usize>(
     out: *mut f32,
 ) {
     let n = x.len();
+    let dist = prefetch_distance(R, row_bytes);
+    let elem = row_bytes / n.max(1);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut k = 0;
     // SAFETY: elements k..k+8 (vector loop) and k (tail) lie inside x and every row.
@@ -369,7 +402,9 @@ unsafe fn float_rows<const R: usize>(
         while k + 8 <= n {
             let xv = _mm256_loadu_ps(x.as_ptr().add(k));
             for r in 0..R {
-                acc[r] = _mm256_fmadd_ps(load_w8(ty, w.add(r * row_bytes), k), xv, acc[r]);
+                let row = w.add(r * row_bytes);
+                prefetch(row, dist + elem * k);
+                acc[r] = _mm256_fmadd_ps(load_w8(ty, row, k), xv, acc[r]);
             }
             k += 8;
         }
