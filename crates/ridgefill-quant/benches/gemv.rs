@@ -261,6 +261,30 @@ fn formats() {
     }
 }
 
+/// In-cache kernel speed: 64 × 1536 weights (≤ 400 KB, L2-resident), one thread, CPU time.
+fn compute() {
+    let (rows, cols) = (64, 1536);
+    let mut rng = Rng(6);
+    let x: Vec<f32> = (0..cols).map(|_| rng.sym()).collect();
+    println!("in-cache GEMV {rows}x{cols}, one thread, CPU time: G weights/s (ns per 32 weights)");
+    for ty in TYPES {
+        let w = qmatrix(ty, rows, cols, random_bytes(&mut rng, ty, rows, cols));
+        let mut y = vec![0f32; rows];
+        let one = cfg(false, MatmulPath::Integer);
+        let t = race(
+            Duration::from_millis(30),
+            &mut [&mut || w.matmul_with(&one, &x, 1, &mut y).unwrap()],
+        );
+        let n = (rows * cols) as f64;
+        println!(
+            "{:6} {:>6.1} G/s ({:.2} ns per 32)",
+            ty.name(),
+            n / t[0].cpu / 1e9,
+            t[0].cpu / n * 32.0 * 1e9
+        );
+    }
+}
+
 fn models_dir() -> PathBuf {
     std::env::var_os("RIDGEFILL_MODELS")
         .map(PathBuf::from)
@@ -558,6 +582,9 @@ fn main() {
     let all = args.is_empty() || args.iter().any(|a| a == "all");
     let want = |s: &str| all || args.iter().any(|a| a == s);
     println!("SIMD level: {:?}", ridgefill_quant::SimdLevel::detect());
+    if want("compute") {
+        compute();
+    }
     if want("mmap") {
         mmap_vs_heap();
     }

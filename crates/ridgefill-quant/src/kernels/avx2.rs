@@ -105,14 +105,23 @@ fn dot_u8i8(q: __m256i, x: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
 }
 
-/// A 32-element-block kernel over `R` rows: `$block` maps the block pointer `$p` and the
-/// activation bytes `$x` to (i32 lane dots of stored values, weight scale d, coefficient c of
-/// s = dx·Σxq), and row r gets Σ_b [d·dx·Σlanes + c·s].
+/// Where a legacy block's offset term comes from: row r gets `Σ_b [d·dx·Σlanes + c·s_b]` with
+/// s_b = dx·Σxq, and c is the block's f16 min, or a fixed multiple of its scale d.
+enum Offset {
+    /// c = the f16 at this byte offset (Q4_1, Q5_1).
+    Min(usize),
+    /// c = k·d (Q4_0: −8, Q5_0: −16, Q8_0: 0).
+    Scaled(f32),
+}
+
+/// A 32-element-block kernel over `R ≤ 4` rows: `$dot` maps the block pointer `$p` and the
+/// activation bytes `$x` to i32 lane dots of the stored (unsigned, or for Q8_0 signed) values.
+/// The f16 scales (at byte 0) and mins of the `R` rows are converted together, one lane per row.
 macro_rules! legacy_kernel {
-    ($name:ident, $ty:expr, |$p:ident, $x:ident| $block:block) => {
+    ($name:ident, $ty:expr, $offset:expr, |$p:ident, $x:ident| $dot:block) => {
         /// # Safety
         /// AVX2/FMA/F16C present; `R` rows of `row_bytes` readable at `w`, matching `x`; `out`
-        /// has room for `R` values.
+        /// has room for `R` values; `R ≤ 4`.
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn $name<const R: usize>(
             w: *const u8,
@@ -120,64 +129,87 @@ macro_rules! legacy_kernel {
             x: Q8Row<'_>,
             out: *mut f32,
         ) {
+            const { assert!(R >= 1 && R <= 4) };
             let ts = $ty.type_size();
+            let offset: Offset = $offset;
             let dist = prefetch_distance(R, row_bytes);
             let mut acc = [_mm256_setzero_ps(); R];
-            let mut corr = [0.0f32; R];
+            let mut corr = _mm_setzero_ps();
             for b in 0..x.d.len() {
                 // SAFETY: block b of x and of every row is in bounds (caller's contract).
                 unsafe {
                     let $x = load(x.qs.as_ptr().add(b * QK) as *const u8);
                     let dx = *x.d.get_unchecked(b);
                     let sx = *x.s.get_unchecked(b);
+                    let blk = |r: usize| w.add(r * row_bytes + b * ts);
+                    let half = |r: usize, at: usize| {
+                        if r < R {
+                            (blk(r).add(at) as *const i16).read_unaligned()
+                        } else {
+                            0
+                        }
+                    };
+                    let halves = |at: usize| {
+                        _mm_cvtph_ps(_mm_set_epi16(
+                            0,
+                            0,
+                            0,
+                            0,
+                            half(3, at),
+                            half(2, at),
+                            half(1, at),
+                            half(0, at),
+                        ))
+                    };
+                    let d4 = halves(0);
+                    corr = match offset {
+                        Offset::Min(at) => _mm_fmadd_ps(halves(at), _mm_set1_ps(sx), corr),
+                        Offset::Scaled(0.0) => corr,
+                        Offset::Scaled(k) => _mm_fmadd_ps(d4, _mm_set1_ps(k * sx), corr),
+                    };
+                    let dd = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(dx)));
                     for r in 0..R {
-                        let $p = w.add(r * row_bytes + b * ts);
+                        let $p = blk(r);
                         prefetch($p, dist);
-                        let (dot, d, c): (__m256i, f32, f32) = $block;
-                        acc[r] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(dot),
-                            _mm256_set1_ps(d * dx),
-                            acc[r],
-                        );
-                        corr[r] = c.mul_add(sx, corr[r]);
+                        let dot: __m256i = $dot;
+                        let scale = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(r as i32));
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
                     }
                 }
             }
+            let mut c = [0f32; 4];
+            // SAFETY: c has four floats.
+            unsafe { _mm_storeu_ps(c.as_mut_ptr(), corr) };
             for r in 0..R {
                 // SAFETY: out has room for R values.
-                unsafe { *out.add(r) = hsum_ps(acc[r]) + corr[r] };
+                unsafe { *out.add(r) = hsum_ps(acc[r]) + c[r] };
             }
         }
     };
 }
 
-legacy_kernel!(q4_0, GgmlType::Q4_0, |p, x| {
-    let d = f16_at(p);
-    (dot_u8i8(nibbles(p.add(2)), x), d, -8.0 * d)
+legacy_kernel!(q4_0, GgmlType::Q4_0, Offset::Scaled(-8.0), |p, x| {
+    dot_u8i8(nibbles(p.add(2)), x)
 });
 
-legacy_kernel!(q4_1, GgmlType::Q4_1, |p, x| {
-    (dot_u8i8(nibbles(p.add(4)), x), f16_at(p), f16_at(p.add(2)))
+legacy_kernel!(q4_1, GgmlType::Q4_1, Offset::Min(2), |p, x| {
+    dot_u8i8(nibbles(p.add(4)), x)
 });
 
-legacy_kernel!(q5_0, GgmlType::Q5_0, |p, x| {
-    let d = f16_at(p);
+legacy_kernel!(q5_0, GgmlType::Q5_0, Offset::Scaled(-16.0), |p, x| {
     let hi = _mm256_and_si256(bits32(p.add(2)), _mm256_set1_epi8(0x10));
-    let q = _mm256_or_si256(nibbles(p.add(6)), hi);
-    (dot_u8i8(q, x), d, -16.0 * d)
+    dot_u8i8(_mm256_or_si256(nibbles(p.add(6)), hi), x)
 });
 
-legacy_kernel!(q5_1, GgmlType::Q5_1, |p, x| {
+legacy_kernel!(q5_1, GgmlType::Q5_1, Offset::Min(2), |p, x| {
     let hi = _mm256_and_si256(bits32(p.add(4)), _mm256_set1_epi8(0x10));
-    let q = _mm256_or_si256(nibbles(p.add(8)), hi);
-    (dot_u8i8(q, x), f16_at(p), f16_at(p.add(2)))
+    dot_u8i8(_mm256_or_si256(nibbles(p.add(8)), hi), x)
 });
 
-legacy_kernel!(q8_0, GgmlType::Q8_0, |p, x| {
+legacy_kernel!(q8_0, GgmlType::Q8_0, Offset::Scaled(0.0), |p, x| {
     // Signed × signed: |w| as the unsigned operand, x carrying w's sign (x is never −128).
     let w = load(p.add(2));
-    let dot = dot_u8i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    (dot, f16_at(p), 0.0)
+    dot_u8i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
 });
 
 /// Broadcasts i16 lane `k` (0..8) of a 128-bit vector duplicated into both halves.
