@@ -261,26 +261,39 @@ fn formats() {
     }
 }
 
-/// In-cache kernel speed: 64 × 1536 weights (≤ 400 KB, L2-resident), one thread, CPU time.
+/// In-cache kernel speed: 64 × 1536 weights (≤ 400 KB, L2-resident), one thread, CPU time,
+/// every type in the same alternating rounds (so their ratios hold on a busy machine).
 fn compute() {
     let (rows, cols) = (64, 1536);
     let mut rng = Rng(6);
     let x: Vec<f32> = (0..cols).map(|_| rng.sym()).collect();
     println!("in-cache GEMV {rows}x{cols}, one thread, CPU time: G weights/s (ns per 32 weights)");
-    for ty in TYPES {
-        let w = qmatrix(ty, rows, cols, random_bytes(&mut rng, ty, rows, cols));
-        let mut y = vec![0f32; rows];
-        let one = cfg(false, MatmulPath::Integer);
-        let t = race(
-            Duration::from_millis(30),
-            &mut [&mut || w.matmul_with(&one, &x, 1, &mut y).unwrap()],
-        );
-        let n = (rows * cols) as f64;
+    let ws: Vec<QWeight> = TYPES
+        .iter()
+        .map(|&ty| qmatrix(ty, rows, cols, random_bytes(&mut rng, ty, rows, cols)))
+        .collect();
+    let mut ys = vec![vec![0f32; rows]; ws.len()];
+    let one = cfg(false, MatmulPath::Integer);
+    let mut fs: Vec<Box<dyn FnMut() + '_>> = ws
+        .iter()
+        .zip(ys.iter_mut())
+        .map(|(w, y)| {
+            let x = &x;
+            Box::new(move || w.matmul_with(&one, x, 1, y).unwrap()) as Box<dyn FnMut()>
+        })
+        .collect();
+    let mut refs: Vec<&mut dyn FnMut()> = fs
+        .iter_mut()
+        .map(|f| &mut **f as &mut dyn FnMut())
+        .collect();
+    let t = race(Duration::from_millis(20), &mut refs);
+    let n = (rows * cols) as f64;
+    for (ty, t) in TYPES.iter().zip(t) {
         println!(
             "{:6} {:>6.1} G/s ({:.2} ns per 32)",
             ty.name(),
-            n / t[0].cpu / 1e9,
-            t[0].cpu / n * 32.0 * 1e9
+            n / t.cpu / 1e9,
+            t.cpu / n * 32.0 * 1e9
         );
     }
 }
