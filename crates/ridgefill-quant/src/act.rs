@@ -30,6 +30,8 @@ const QMAX: f32 = 127.0;
 #[derive(Clone, Copy)]
 pub(crate) struct Q8Row<'a> {
     pub qs: &'a [i8],
+    /// `qs` rearranged for the nibble kernels, see [`pair_layout`].
+    pub pairs: &'a [i8],
     pub d: &'a [f32],
     /// `d · Σ qs` over the block.
     pub s: &'a [f32],
@@ -49,6 +51,7 @@ pub(crate) struct Q8KRow<'a> {
 pub(crate) struct Q8Buf {
     cols: usize,
     qs: Vec<i8>,
+    pairs: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
 }
@@ -67,6 +70,7 @@ impl Q8Buf {
     pub fn reset(&mut self, m: usize, cols: usize) {
         self.cols = cols;
         self.qs.resize(m * cols, 0);
+        self.pairs.resize(m * cols, 0);
         self.d.resize(m * cols / QK, 0.0);
         self.s.resize(m * cols / QK, 0.0);
     }
@@ -81,22 +85,27 @@ impl Q8Buf {
             x.len() == self.qs.len(),
             "Q8Buf::quantize: x does not match reset()"
         );
-        let (qs, d, s) = (
+        let (qs, pairs, d, s) = (
             Raw(self.qs.as_mut_ptr()),
+            Raw(self.pairs.as_mut_ptr()),
             Raw(self.d.as_mut_ptr()),
             Raw(self.s.as_mut_ptr()),
         );
         by_rows(pool, m, &|r| {
-            // SAFETY: rows r of the three buffers (sized by reset for m rows) are written only by
+            // SAFETY: rows r of the four buffers (sized by reset for m rows) are written only by
             // this call; `&mut self` keeps everyone else out until by_rows returns.
-            let (qs, d, s) = unsafe {
+            let (qs, pairs, d, s) = unsafe {
                 (
                     qs.rows(r.clone(), c),
+                    pairs.rows(r.clone(), c),
                     d.rows(r.clone(), nb),
                     s.rows(r.clone(), nb),
                 )
             };
             quantize_q8(level, &x[r.start * c..r.end * c], qs, d, s);
+            for (q, p) in qs.chunks_exact(c).zip(pairs.chunks_exact_mut(c)) {
+                pair_layout(q, p);
+            }
         });
     }
 
@@ -104,6 +113,7 @@ impl Q8Buf {
         let nb = self.cols / QK;
         Q8Row {
             qs: &self.qs[i * self.cols..(i + 1) * self.cols],
+            pairs: &self.pairs[i * self.cols..(i + 1) * self.cols],
             d: &self.d[i * nb..(i + 1) * nb],
             s: &self.s[i * nb..(i + 1) * nb],
         }
@@ -155,6 +165,23 @@ impl Q8KBuf {
             bsums: &self.bsums[i * ns..(i + 1) * ns],
         }
     }
+}
+
+/// Rearranges one row of 32-blocks for kernels that read two weight blocks' nibbles in one
+/// vector: for each pair of blocks (2p, 2p+1), the 64 bytes become
+/// `[x₂ₚ[0..16], x₂ₚ₊₁[0..16], x₂ₚ[16..32], x₂ₚ₊₁[16..32]]` — the order of the low nibbles then
+/// the high nibbles of the two blocks' packed bytes. An unpaired last block is copied as is.
+pub(crate) fn pair_layout(qs: &[i8], out: &mut [i8]) {
+    const H: usize = QK / 2;
+    let mut pairs = qs.chunks_exact(2 * QK);
+    let mut outs = out.chunks_exact_mut(2 * QK);
+    for (q, o) in (&mut pairs).zip(&mut outs) {
+        o[..H].copy_from_slice(&q[..H]);
+        o[H..2 * H].copy_from_slice(&q[QK..QK + H]);
+        o[2 * H..3 * H].copy_from_slice(&q[H..QK]);
+        o[3 * H..].copy_from_slice(&q[QK + H..]);
+    }
+    outs.into_remainder().copy_from_slice(pairs.remainder());
 }
 
 /// A buffer's base pointer, shared by the threads that fill disjoint rows of it.

@@ -19,8 +19,13 @@ use std::time::{Duration, Instant};
 /// Environment variable overriding the thread count (a positive integer).
 pub const THREADS_ENV: &str = "RIDGEFILL_THREADS";
 
-/// How long an idle worker spins before it sleeps.
+/// How long an idle worker polls (spinning, then yielding) before it sleeps.
 const SPIN: Duration = Duration::from_millis(2);
+/// Of that, how long it spins without yielding the CPU.
+const HOT_SPIN: Duration = Duration::from_micros(50);
+/// How long the dispatcher spins for joined workers before it starts yielding its CPU (which
+/// lets a worker that the OS preempted on a busy machine run again sooner).
+const WAIT_SPIN: Duration = Duration::from_micros(20);
 
 /// `state` layout: job epoch in the high 32 bits, "open" flag, then the count of workers inside.
 const EPOCH_SHIFT: u32 = 32;
@@ -165,8 +170,13 @@ impl Pool {
                 IN_POOL.with(|c| c.set(false));
                 let sh = self.0;
                 let mut s = sh.state.fetch_and(!OPEN, Ordering::AcqRel) & !OPEN;
+                let mut since: Option<Instant> = None;
                 while s & ACTIVE_MASK != 0 {
-                    std::hint::spin_loop();
+                    if since.get_or_insert_with(Instant::now).elapsed() < WAIT_SPIN {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
                     s = sh.state.load(Ordering::Acquire);
                 }
             }
@@ -243,8 +253,18 @@ fn worker(sh: &Shared) {
             continue;
         }
         spins = spins.wrapping_add(1);
-        if !spins.is_multiple_of(256) || idle_since.elapsed() < SPIN {
+        if !spins.is_multiple_of(64) {
             std::hint::spin_loop();
+            continue;
+        }
+        let idle = idle_since.elapsed();
+        if idle < HOT_SPIN {
+            continue;
+        }
+        if idle < SPIN {
+            // Still ready for the next job within microseconds, but not taking a CPU that
+            // something else (the dispatcher's own work, another process) could use.
+            std::thread::yield_now();
             continue;
         }
         // Sleep until the epoch changes. The SeqCst increment and re-check pair with the

@@ -220,12 +220,20 @@ impl Default for MatmulConfig {
 
 /// Batch size from which dequantise + f32 GEMM beats the integer kernels, per weight type.
 ///
-/// Measured with `cargo bench -p ridgefill-quant --bench gemv -- threshold` (see the bench and
-/// the crate README notes in lib.rs).
+/// Measured on a 1536 × 1536 weight, one thread, AVX2 (Zen 5), with
+/// `cargo bench -p ridgefill-quant --bench gemv -- threshold`: the first m (of 1, 2, 4, 8, 16,
+/// 24, 32, 48, 64, ...) where the GEMM path took less CPU time. Q4_0 32, Q4_1 48, Q5_0 32, Q5_1
+/// 32, Q8_0 48, Q4_K 32, Q5_K 24, Q6_K 64, F16 24, BF16 32, F32 16 (near the crossover the two
+/// paths differ by a few percent either way, so a step either side costs little). The integer cost
+/// grows linearly in m (each activation row is a GEMV over the cached weight tile); the GEMM
+/// path pays a fixed dequantisation cost (ridgefill-io's exact dequantisers) and then runs at
+/// f32 GEMM speed.
 fn f32_path_min_m(ty: GgmlType) -> usize {
-    match act_kind(ty) {
-        Some(ActKind::F32) => 8,
-        Some(ActKind::Q8K) => 48,
+    match ty {
+        GgmlType::F32 => 16,
+        GgmlType::F16 | GgmlType::Q5_K => 24,
+        GgmlType::Q4_1 | GgmlType::Q8_0 => 48,
+        GgmlType::Q6_K => 64,
         _ => 32,
     }
 }

@@ -136,3 +136,49 @@ fn dequantize_rows_into_spans_parts() {
     w.dequantize_rows_into(2, &mut some).unwrap();
     assert_eq!(&some[..], &all[2 * 64..5 * 64]);
 }
+
+#[test]
+fn concurrent_and_nested_matmuls_agree_with_serial() {
+    // Several threads share one weight and the global pool (only one dispatches at a time, the
+    // others run inline), and matmuls issued from inside pool jobs run inline too: nothing may
+    // deadlock and every result must equal the single-threaded one. Bit-equal, because each
+    // output row is summed in the same order whichever thread and row group computes it.
+    let mut rng = Rng::new(0x5EED_0005);
+    let w = std::sync::Arc::new(stacked(
+        &mut rng,
+        &[GgmlType::Q4_1, GgmlType::Q4_K],
+        &[300, 200],
+        512,
+        false,
+    ));
+    let x = std::sync::Arc::new(random_x(&mut rng, 2, 512, false));
+    let serial = MatmulConfig {
+        parallel: false,
+        ..MatmulConfig::default()
+    };
+    let want = run(&w, &serial, &x, 2);
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let (w, x, want) = (w.clone(), x.clone(), want.clone());
+            std::thread::spawn(move || {
+                for _ in 0..50 {
+                    let mut y = vec![0f32; 2 * w.rows()];
+                    w.matmul(&x, 2, &mut y).unwrap();
+                    assert_eq!(y, want);
+                }
+            })
+        })
+        .collect();
+    let nested_ok = std::sync::atomic::AtomicUsize::new(0);
+    ridgefill_quant::pool::for_each(8, &|_| {
+        let mut y = vec![0f32; 2 * w.rows()];
+        w.matmul(&x, 2, &mut y).unwrap();
+        if y == want {
+            nested_ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    assert_eq!(nested_ok.load(std::sync::atomic::Ordering::Relaxed), 8);
+    for h in handles {
+        h.join().unwrap();
+    }
+}

@@ -93,7 +93,9 @@ pub(crate) fn gemv_rows(
 fn consistent(x: &XRow<'_>) -> bool {
     use crate::act::{KSUM, QK, QK_K};
     match x {
-        XRow::Q8(x) => x.d.len() * QK == x.qs.len() && x.s.len() == x.d.len(),
+        XRow::Q8(x) => {
+            x.d.len() * QK == x.qs.len() && x.s.len() == x.d.len() && x.pairs.len() == x.qs.len()
+        }
         XRow::Q8K(x) => x.d.len() * QK_K == x.qs.len() && x.bsums.len() * KSUM == x.qs.len(),
         XRow::F32(_) => true,
     }
