@@ -20,6 +20,9 @@ const PARALLEL_MIN: usize = 1 << 15;
 const ATTENTION_PARALLEL_MIN: usize = 1 << 18;
 /// Query rows per attention task: enough rows for an efficient GEMM, enough tasks to balance.
 const QUERY_BLOCK: usize = 64;
+/// Query rows up to which attention runs as plain dot products (decode steps): packing the keys
+/// for a GEMM costs more than the product itself.
+const DOT_ROWS_MAX: usize = 4;
 
 /// Environment variable that switches the fused kernels `off` (or `0`), to measure them against
 /// the plain burn ops side by side; `on` (or `1`, or unset) leaves them where they apply.
@@ -238,6 +241,40 @@ simd_fn! {
             }
             for (j, o) in o2.iter_mut().enumerate() {
                 *o = x2[j] * c2[j] + x1[j] * s2[j];
+            }
+        }
+    }
+}
+
+simd_fn! {
+    /// `scores[j] = scale · q·k_j` for keys `j < scores.len()`, key `j` at `ks[j·k_row..]`.
+    fn dot_scores(q: &[f32], ks: &[f32], k_row: usize, scale: f32, scores: &mut [f32]) {
+        let hd = q.len();
+        for (j, s) in scores.iter_mut().enumerate() {
+            let k = &ks[j * k_row..][..hd];
+            let mut acc = [0f32; LANES];
+            let mut kc = k.chunks_exact(LANES);
+            let mut qc = q.chunks_exact(LANES);
+            for (a, b) in (&mut qc).zip(&mut kc) {
+                for l in 0..LANES {
+                    acc[l] += a[l] * b[l];
+                }
+            }
+            let tail: f32 = qc.remainder().iter().zip(kc.remainder()).map(|(a, b)| a * b).sum();
+            *s = scale * (acc.iter().sum::<f32>() + tail);
+        }
+    }
+}
+
+simd_fn! {
+    /// `out = Σ_j p_j · v_j` over `p.len()` values, value `j` at `vs[j·v_row..]`.
+    fn weighted_values(p: &[f32], vs: &[f32], v_row: usize, out: &mut [f32]) {
+        let hd = out.len();
+        out.fill(0.0);
+        for (j, &w) in p.iter().enumerate() {
+            let v = &vs[j * v_row..][..hd];
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o += w * x;
             }
         }
     }
@@ -573,6 +610,27 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Te
         let kv_end = live[rb - 1];
         scores.resize(rb * kv_end, 0.0);
         let kh = h / group;
+        if rb <= DOT_ROWS_MAX && k_row > 0 && v_row > 0 {
+            let (k0, v0) = (&ks[kh * k_head..], &vs[kh * v_head..]);
+            for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
+                let q = &qs[h * q_head + (r0 + i) * q_row as usize..][..hd];
+                dot_scores(q, k0, k_row as usize, scale, &mut row[..live[i]]);
+            }
+            softmax_rows(scores, kv_end, live);
+            for (i, row) in scores.chunks_exact(kv_end).enumerate() {
+                let mut o = vec![0f32; hd];
+                weighted_values(&row[..live[i]], v0, v_row as usize, &mut o);
+                // SAFETY: each task writes its own head's columns of its own rows.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        o.as_ptr(),
+                        out_ptr.get().add((r0 + i) * width + h * hd),
+                        hd,
+                    );
+                }
+            }
+            return;
+        }
         // SAFETY: every pointer addresses rows inside the tensors' storage (shapes checked by the
         // caller), and each task writes a disjoint [rows r0..r0+rb, columns h·hd..] block of out.
         unsafe {
@@ -627,6 +685,9 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Te
     if heads * n * t * hd < ATTENTION_PARALLEL_MIN {
         let mut scores = Vec::new();
         (0..jobs).for_each(|j| task(&mut scores, j));
+    } else if n <= DOT_ROWS_MAX {
+        // Decode: the quantised kernels' pool is awake between projections; rayon's is not.
+        ridgefill_quant::pool::for_each(jobs, &|j| task(&mut Vec::new(), j));
     } else {
         (0..jobs)
             .into_par_iter()
