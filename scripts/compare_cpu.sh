@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side CPU prefill/decode speed on the same GGUF, same thread count, in one run:
-#   ridgefill (flex), transformers (torch, float32) and llama.cpp (llama-cpp-python, weights as stored).
+#   ridgefill (flex; weights as stored, then dequantised to f32), transformers (torch, float32) and
+#   llama.cpp (llama-cpp-python, weights as stored).
 # The three engines take turns for ROUNDS rounds, so load drift on a shared machine hits all alike;
 # every round prints each engine's mean ± std over REPS repetitions after its own warm-up.
 # Needs the reference venv with llama-cpp-python (scripts/requirements-ref.txt) and the
@@ -21,8 +22,11 @@ if ! "$py" -c "import llama_cpp" 2>/dev/null; then
   llamacpp=0
 fi
 for round in $(seq 1 "$rounds"); do
-  echo "== round $round: ridgefill bench (flex, $threads threads)"
-  RAYON_NUM_THREADS="$threads" "${rf[@]}" bench --device cpu -p 512 -n 32 -d 16 -r "$reps" --no-probe
+  for weights in native f32; do
+    echo "== round $round: ridgefill bench (flex, $threads threads, --weights $weights)"
+    RAYON_NUM_THREADS="$threads" RIDGEFILL_THREADS="$threads" "${rf[@]}" bench --device cpu \
+      --weights "$weights" -p 512 -n 32 -d 16 -r "$reps" --no-probe
+  done
   echo "== round $round: transformers (torch, $threads threads)"
   "$py" scripts/bench_reference.py --threads "$threads" --reps "$reps"
   if [ "$llamacpp" = 1 ]; then
