@@ -388,6 +388,12 @@ impl QWeight {
 
     /// `y[m, rows] = x[m, cols] · Wᵀ` (row-major), with the detected SIMD level, the global pool
     /// and the path chosen by `m`.
+    ///
+    /// Wrong `x` / `y` lengths are an [`QError::OperandLength`]; nothing else fails. On the
+    /// integer path each activation row is rounded to 8 bits per block of 32 (legacy formats)
+    /// or 256 (k-quants) values, scaled by the block's largest magnitude, so the result differs
+    /// from the exact product by at most Σ_blocks (amax/254)·Σ|w| (see the tests). Non-finite
+    /// activations give meaningless (possibly non-finite) outputs, never a panic.
     pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<(), QError> {
         self.matmul_with(&MatmulConfig::default(), x, m, y)
     }
