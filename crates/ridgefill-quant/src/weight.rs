@@ -168,7 +168,8 @@ impl QMatrix {
         self.data.len()
     }
 
-    /// Dequantises rows `row0 .. row0 + out.len() / cols` into `out` (row-major f32).
+    /// Dequantises rows `row0 .. row0 + out.len() / cols` into `out` (row-major f32), with values
+    /// bit-identical to `ridgefill_io::quant::dequantize`.
     pub fn dequantize_rows_into(&self, row0: usize, out: &mut [f32]) -> Result<(), QError> {
         let n = out.len() / self.cols;
         let end = row0.saturating_add(n);
@@ -180,9 +181,8 @@ impl QMatrix {
             });
         }
         let raw = &self.data[row0 * self.row_bytes..end * self.row_bytes];
-        // Sizes were checked at construction; the only error left would be an unsupported type.
-        ridgefill_io::quant::dequantize_into(self.ty, raw, out)
-            .map_err(|_| QError::Unsupported(self.ty))
+        crate::dequant::dequantize_into(SimdLevel::detect(), self.ty, raw, out);
+        Ok(())
     }
 }
 
