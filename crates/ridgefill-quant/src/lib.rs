@@ -24,6 +24,7 @@
 
 mod act;
 mod bytes;
+mod dequant;
 mod kernels;
 pub mod pool;
 mod simd;

@@ -168,7 +168,8 @@ impl QMatrix {
         self.data.len()
     }
 
-    /// Dequantises rows `row0 .. row0 + out.len() / cols` into `out` (row-major f32).
+    /// Dequantises rows `row0 .. row0 + out.len() / cols` into `out` (row-major f32), with values
+    /// bit-identical to `ridgefill_io::quant::dequantize`.
     pub fn dequantize_rows_into(&self, row0: usize, out: &mut [f32]) -> Result<(), QError> {
         let n = out.len() / self.cols;
         let end = row0.saturating_add(n);
@@ -180,9 +181,8 @@ impl QMatrix {
             });
         }
         let raw = &self.data[row0 * self.row_bytes..end * self.row_bytes];
-        // Sizes were checked at construction; the only error left would be an unsupported type.
-        ridgefill_io::quant::dequantize_into(self.ty, raw, out)
-            .map_err(|_| QError::Unsupported(self.ty))
+        crate::dequant::dequantize_into(SimdLevel::detect(), self.ty, raw, out);
+        Ok(())
     }
 }
 
@@ -388,6 +388,12 @@ impl QWeight {
 
     /// `y[m, rows] = x[m, cols] · Wᵀ` (row-major), with the detected SIMD level, the global pool
     /// and the path chosen by `m`.
+    ///
+    /// Wrong `x` / `y` lengths are an [`QError::OperandLength`]; nothing else fails. On the
+    /// integer path each activation row is rounded to 8 bits per block of 32 (legacy formats)
+    /// or 256 (k-quants) values, scaled by the block's largest magnitude, so the result differs
+    /// from the exact product by at most Σ_blocks (amax/254)·Σ|w| (see the tests). Non-finite
+    /// activations give meaningless (possibly non-finite) outputs, never a panic.
     pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<(), QError> {
         self.matmul_with(&MatmulConfig::default(), x, m, y)
     }
@@ -438,18 +444,21 @@ impl QWeight {
         Ok(())
     }
 
-    /// Row chunks: `(part, first row, end row)` within the part, `chunk` rows at most.
-    fn chunks(&self, chunk: usize) -> Vec<(usize, usize, usize)> {
-        let mut out = Vec::new();
+    /// How many row chunks of at most `chunk` rows the parts split into (none spans two parts).
+    fn chunk_count(&self, chunk: usize) -> usize {
+        self.parts.iter().map(|p| p.rows.div_ceil(chunk)).sum()
+    }
+
+    /// Chunk `c` of [`Self::chunk_count`]: `(part, first row, end row)` within the part.
+    fn chunk_at(&self, chunk: usize, mut c: usize) -> (usize, usize, usize) {
         for (i, p) in self.parts.iter().enumerate() {
-            let mut r = 0;
-            while r < p.rows {
-                let e = (r + chunk).min(p.rows);
-                out.push((i, r, e));
-                r = e;
+            let n = p.rows.div_ceil(chunk);
+            if c < n {
+                return (i, c * chunk, ((c + 1) * chunk).min(p.rows));
             }
+            c -= n;
         }
-        out
+        unreachable!("chunk index past chunk_count")
     }
 
     /// Rows per chunk for `threads` threads.
@@ -467,8 +476,7 @@ impl QWeight {
         y: &mut [f32],
     ) {
         let pool = pool.filter(|_| m * self.rows * self.cols >= PARALLEL_MIN_MACS);
-        let kinds: Vec<ActKind> = self.parts.iter().filter_map(|p| act_kind(p.ty)).collect();
-        let need = |k| kinds.contains(&k);
+        let need = |k| self.parts.iter().any(|p| act_kind(p.ty) == Some(k));
         let mut run = |acts: &mut Acts| {
             if need(ActKind::Q8) {
                 acts.q8.reset(m, self.cols);
@@ -480,11 +488,11 @@ impl QWeight {
             }
             let acts = &*acts;
             let threads = pool.map_or(1, Pool::threads);
-            let chunks = self.chunks(self.chunk_rows(threads));
+            let chunk = self.chunk_rows(threads);
             let out = OutPtr(y.as_mut_ptr());
             let (rows_total, cols) = (self.rows, self.cols);
             let job = |c: usize| {
-                let (pi, r0, r1) = chunks[c];
+                let (pi, r0, r1) = self.chunk_at(chunk, c);
                 let p = &self.parts[pi];
                 let start = self.starts[pi];
                 let kind = act_kind(p.ty);
@@ -512,9 +520,10 @@ impl QWeight {
                     t0 = t1;
                 }
             };
+            let n = self.chunk_count(chunk);
             match pool {
-                Some(pool) => pool.run(chunks.len(), &job),
-                None => (0..chunks.len()).for_each(job),
+                Some(pool) => pool.run(n, &job),
+                None => (0..n).for_each(job),
             }
         };
         ACTS.with(|a| match a.try_borrow_mut() {
@@ -525,11 +534,11 @@ impl QWeight {
     }
 
     fn matmul_gemm(&self, pool: Option<&Pool>, x: &[f32], m: usize, y: &mut [f32]) {
-        let chunks = self.chunks(GEMM_CHUNK_ROWS);
+        let chunk = GEMM_CHUNK_ROWS;
         let out = OutPtr(y.as_mut_ptr());
         let (rows_total, cols) = (self.rows, self.cols);
         let job = |c: usize| {
-            let (pi, r0, r1) = chunks[c];
+            let (pi, r0, r1) = self.chunk_at(chunk, c);
             let p = &self.parts[pi];
             let n = r1 - r0;
             let dst_col = self.starts[pi] + r0;
@@ -568,9 +577,10 @@ impl QWeight {
                 Err(_) => gemm_chunk(&mut Vec::new()),
             });
         };
+        let n = self.chunk_count(chunk);
         match pool {
-            Some(pool) => pool.run(chunks.len(), &job),
-            None => (0..chunks.len()).for_each(job),
+            Some(pool) => pool.run(n, &job),
+            None => (0..n).for_each(job),
         }
     }
 }

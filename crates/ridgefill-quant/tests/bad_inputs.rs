@@ -137,3 +137,29 @@ fn from_gguf_wants_a_present_2d_tensor() {
         Err(QError::Tensor { .. })
     ));
 }
+
+#[test]
+fn non_finite_activations_do_not_panic() {
+    use ridgefill_quant::{MatmulConfig, MatmulPath, SimdLevel};
+    let w = QWeight::new(vec![
+        QMatrix::new(GgmlType::Q8_0, 4, 256, bytes(4 * 8 * 34)).unwrap(),
+        QMatrix::new(GgmlType::Q4_K, 4, 256, bytes(4 * 144)).unwrap(),
+        QMatrix::new(GgmlType::F16, 4, 256, bytes(4 * 512)).unwrap(),
+    ])
+    .unwrap();
+    let mut x = vec![1.0f32; 2 * 256];
+    x[3] = f32::NAN;
+    x[300] = f32::INFINITY;
+    x[301] = f32::NEG_INFINITY;
+    for level in SimdLevel::available() {
+        for path in [MatmulPath::Integer, MatmulPath::DequantGemm] {
+            let cfg = MatmulConfig {
+                level,
+                path,
+                parallel: true,
+            };
+            let mut y = vec![0f32; 2 * 12];
+            w.matmul_with(&cfg, &x, 2, &mut y).unwrap();
+        }
+    }
+}

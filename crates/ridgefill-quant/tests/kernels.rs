@@ -182,3 +182,26 @@ fn concurrent_and_nested_matmuls_agree_with_serial() {
         h.join().unwrap();
     }
 }
+
+#[test]
+fn dequantize_is_bit_identical_to_ridgefill_io() {
+    // The GEMM path's dequantisers (SIMD where available) must reproduce ridgefill-io's
+    // reference dequantisation exactly, bit for bit.
+    let mut rng = Rng::new(0x5EED_0006);
+    for ty in TYPES {
+        for extreme in [false, true] {
+            let (rows, cols) = (3, if ty.block_size() == 1 { 77 } else { 512 });
+            let raw = random_weight(&mut rng, ty, rows, cols, extreme);
+            let want = ridgefill_io::quant::dequantize(ty, &raw, rows * cols).unwrap();
+            let got = QWeight::from(matrix(ty, rows, cols, raw)).dequantize();
+            let same = want
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{ty} extreme={extreme}: dequantisation differs from ridgefill-io"
+            );
+        }
+    }
+}
