@@ -240,6 +240,9 @@ fn f32_path_min_m(ty: GgmlType) -> usize {
 const PARALLEL_MIN_MACS: usize = 64 * 1024;
 /// Chunks per thread the rows are cut into (so a descheduled thread costs little).
 const CHUNKS_PER_THREAD: usize = 4;
+/// At most this many weights per chunk (≈ 10-20 µs of GEMV): a big matrix such as the output
+/// head is cut finer, so a thread the OS preempts mid-chunk holds little work back.
+const CHUNK_MAX_WEIGHTS: usize = 1 << 18;
 /// Rows per chunk are a multiple of this (the kernels take 4 rows at a time).
 const ROW_ALIGN: usize = 16;
 /// Weight rows kept hot in L1 while every activation row passes over them (integer path, m > 1).
@@ -461,7 +464,10 @@ impl QWeight {
 
     /// Rows per chunk for `threads` threads.
     fn chunk_rows(&self, threads: usize) -> usize {
-        let target = self.rows.div_ceil(threads * CHUNKS_PER_THREAD);
+        let target = self
+            .rows
+            .div_ceil(threads * CHUNKS_PER_THREAD)
+            .min(CHUNK_MAX_WEIGHTS / self.cols);
         target.div_ceil(ROW_ALIGN).max(1) * ROW_ALIGN
     }
 
