@@ -560,10 +560,10 @@ fn decode() {
     let bytes: usize = layers.iter().flatten().map(QWeight::bytes).sum::<usize>() + head.bytes();
     let par = MatmulConfig::default();
     let one = cfg(false, MatmulPath::Auto);
-    // Many short rounds (a few steps each), so some fall in moments the machine is quiet.
+    // Many rounds of one step each, so some fall in moments the machine is quiet.
     let t = race_n(
-        Duration::from_millis(30),
-        100,
+        Duration::from_millis(1),
+        300,
         &mut [&mut || step_alone(&layers, &head, &par), &mut || {
             step_alone(&layers, &head, &one)
         }],

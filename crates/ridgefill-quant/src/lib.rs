@@ -34,3 +34,11 @@ pub use bytes::WeightBytes;
 pub use ridgefill_io::GgmlType;
 pub use simd::{SIMD_ENV, SimdLevel};
 pub use weight::{MatmulConfig, MatmulPath, QError, QMatrix, QWeight};
+
+// A model shares its weights across threads.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<QWeight>();
+    send_sync::<QMatrix>();
+    send_sync::<WeightBytes>();
+};

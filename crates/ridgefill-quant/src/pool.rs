@@ -1,9 +1,11 @@
 //! One persistent thread pool for the matmuls: `threads − 1` workers plus the calling thread.
 //!
 //! Decode makes a couple of hundred small matmul calls per token, so a dispatch must cost about a
-//! microsecond: workers spin on an atomic for a while after each job ([`SPIN`]) and only then
-//! sleep on a condition variable. A job is a chunk counter that every participant (the caller
-//! included) pulls from, so a worker the OS has descheduled simply takes no chunks.
+//! microsecond: workers poll an atomic for 2 ms after each job (spinning for the first 50 µs, then
+//! yielding their CPU between polls) and only then sleep on a condition variable. A job is a
+//! chunk counter that every participant (the caller included) pulls from, so a worker the OS has
+//! descheduled simply takes no chunks. Measured dispatch overhead (bench `pool`): about 0.5-1 µs
+//! per call on top of the work.
 //!
 //! Deadlock freedom: only one job runs at a time. A caller that finds the pool busy (another
 //! thread is dispatching, or the call comes from inside a pool job) runs its chunks on its own

@@ -222,19 +222,17 @@ impl Default for MatmulConfig {
 ///
 /// Measured on a 1536 × 1536 weight, one thread, AVX2 (Zen 5), with
 /// `cargo bench -p ridgefill-quant --bench gemv -- threshold`: the first m (of 1, 2, 4, 8, 16,
-/// 24, 32, 48, 64, ...) where the GEMM path took less CPU time. Q4_0 32, Q4_1 48, Q5_0 32, Q5_1
-/// 32, Q8_0 48, Q4_K 32, Q5_K 24, Q6_K 64, F16 24, BF16 32, F32 16 (near the crossover the two
-/// paths differ by a few percent either way, so a step either side costs little). The integer cost
-/// grows linearly in m (each activation row is a GEMV over the cached weight tile); the GEMM
-/// path pays a fixed dequantisation cost (ridgefill-io's exact dequantisers) and then runs at
-/// f32 GEMM speed.
+/// 24, 32, 48, 64, ...) from which the GEMM path took less CPU time: Q4_0 48, Q4_1 32, Q8_0 32,
+/// Q4_K 24, and 16 for Q5_0, Q5_1, Q5_K, Q6_K, F16, BF16, F32 (near the crossover the two paths
+/// differ by a few percent either way, so a step either side costs little). The integer cost
+/// grows linearly in m (each activation row is a GEMV over the cached weight tile); the GEMM path
+/// pays a fixed dequantisation (≈ 0.15 ns per weight) and then runs at f32 GEMM speed.
 fn f32_path_min_m(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::F32 => 16,
-        GgmlType::F16 | GgmlType::Q5_K => 24,
-        GgmlType::Q4_1 | GgmlType::Q8_0 => 48,
-        GgmlType::Q6_K => 64,
-        _ => 32,
+        GgmlType::Q4_0 => 48,
+        GgmlType::Q4_1 | GgmlType::Q8_0 => 32,
+        GgmlType::Q4_K => 24,
+        _ => 16,
     }
 }
 
@@ -242,6 +240,9 @@ fn f32_path_min_m(ty: GgmlType) -> usize {
 const PARALLEL_MIN_MACS: usize = 64 * 1024;
 /// Chunks per thread the rows are cut into (so a descheduled thread costs little).
 const CHUNKS_PER_THREAD: usize = 4;
+/// At most this many weights per chunk (≈ 10-20 µs of GEMV): a big matrix such as the output
+/// head is cut finer, so a thread the OS preempts mid-chunk holds little work back.
+const CHUNK_MAX_WEIGHTS: usize = 1 << 18;
 /// Rows per chunk are a multiple of this (the kernels take 4 rows at a time).
 const ROW_ALIGN: usize = 16;
 /// Weight rows kept hot in L1 while every activation row passes over them (integer path, m > 1).
@@ -463,7 +464,10 @@ impl QWeight {
 
     /// Rows per chunk for `threads` threads.
     fn chunk_rows(&self, threads: usize) -> usize {
-        let target = self.rows.div_ceil(threads * CHUNKS_PER_THREAD);
+        let target = self
+            .rows
+            .div_ceil(threads * CHUNKS_PER_THREAD)
+            .min(CHUNK_MAX_WEIGHTS / self.cols);
         target.div_ceil(ROW_ALIGN).max(1) * ROW_ALIGN
     }
 

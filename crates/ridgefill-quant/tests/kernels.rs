@@ -205,3 +205,38 @@ fn dequantize_is_bit_identical_to_ridgefill_io() {
         }
     }
 }
+
+#[test]
+fn matmuls_from_rayon_threads_finish() {
+    use rayon::prelude::*;
+    let mut rng = Rng::new(0x5EED_0007);
+    let w = stacked(
+        &mut rng,
+        &[GgmlType::Q8_0, GgmlType::Q6_K],
+        &[400, 300],
+        512,
+        false,
+    );
+    let x = random_x(&mut rng, 1, 512, false);
+    let serial = MatmulConfig {
+        parallel: false,
+        ..MatmulConfig::default()
+    };
+    let want = run(&w, &serial, &x, 1);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    let ok = pool.install(|| {
+        (0..64)
+            .into_par_iter()
+            .map(|_| {
+                let mut y = vec![0f32; w.rows()];
+                w.matmul(&x, 1, &mut y).unwrap();
+                y == want
+            })
+            .filter(|&same| same)
+            .count()
+    });
+    assert_eq!(ok, 64);
+}
