@@ -46,6 +46,8 @@ impl std::fmt::Display for WeightFormat {
 }
 
 /// One weight matrix.
+// A few per layer: boxing the tensor would only add an indirection to every matmul.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub enum Weight {
     /// A projection stored `[in, out]` (`x · w`); the embedding `[vocab, hidden]`.
