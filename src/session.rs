@@ -16,14 +16,7 @@ pub struct LoadArgs {
     pub weights: WeightFormat,
 }
 
-pub fn dtype_name(d: FloatDType) -> &'static str {
-    match d {
-        FloatDType::F16 => "f16",
-        FloatDType::BF16 => "bf16",
-        FloatDType::F64 => "f64",
-        _ => "f32",
-    }
-}
+pub use ridgefill_model::dtype_name;
 
 pub struct Loaded {
     pub ckpt: Checkpoint,

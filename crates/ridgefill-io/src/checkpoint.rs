@@ -297,15 +297,7 @@ impl Checkpoint {
                 let &i = by_hf.get(hf_name).ok_or_else(|| self.missing(hf_name))?;
                 let info = &file.tensors()[i];
                 let data = file.dequantize(&info.name)?;
-                let heads = if !permute_qk {
-                    None
-                } else if hf_name.ends_with(Q_PROJ_SUFFIX) {
-                    Some(self.config.num_attention_heads)
-                } else if hf_name.ends_with(K_PROJ_SUFFIX) {
-                    Some(self.config.num_key_value_heads)
-                } else {
-                    None
-                };
+                let heads = self.permuted_heads(hf_name, *permute_qk);
                 match heads {
                     None => Ok(data),
                     Some(n_heads) => {
@@ -324,6 +316,19 @@ impl Checkpoint {
         }
     }
 
+    /// Heads of a GGUF Q or K projection whose rows llama.cpp permuted, else `None`.
+    fn permuted_heads(&self, hf_name: &str, permute_qk: bool) -> Option<usize> {
+        if !permute_qk {
+            None
+        } else if hf_name.ends_with(Q_PROJ_SUFFIX) {
+            Some(self.config.num_attention_heads)
+        } else if hf_name.ends_with(K_PROJ_SUFFIX) {
+            Some(self.config.num_key_value_heads)
+        } else {
+            None
+        }
+    }
+
     /// A GGUF weight as stored: its block type, HF shape and bytes (pointing into the mapped
     /// file; Q/K rows un-permuted into a copy). `None` for a Hugging Face checkpoint.
     pub fn tensor_stored(&self, hf_name: &str) -> Result<Option<StoredTensor>> {
@@ -339,15 +344,7 @@ impl Checkpoint {
         let info = &file.tensors()[i];
         let shape = info.shape_row_major();
         let bytes = file.shared_bytes_of(info);
-        let heads = if !permute_qk {
-            None
-        } else if hf_name.ends_with(Q_PROJ_SUFFIX) {
-            Some(self.config.num_attention_heads)
-        } else if hf_name.ends_with(K_PROJ_SUFFIX) {
-            Some(self.config.num_key_value_heads)
-        } else {
-            None
-        };
+        let heads = self.permuted_heads(hf_name, *permute_qk);
         let rows = shape.first().copied().unwrap_or(0);
         let bytes = match heads {
             None => bytes,

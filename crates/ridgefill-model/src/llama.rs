@@ -642,17 +642,16 @@ impl Llama {
     /// Bytes a decode step reads with `ctx` positions cached: every layer's projections, the
     /// head (the embedding is a row gather) and the whole K/V cache.
     pub fn decode_read_bytes(&self, ctx: usize) -> usize {
-        let layers: usize = self
-            .layers
+        self.layer_weight_bytes() + self.lm_head.resident_bytes() + self.kv_bytes(ctx + 1)
+    }
+
+    /// Bytes of every layer's projections.
+    fn layer_weight_bytes(&self) -> usize {
+        self.layers
             .iter()
-            .map(|l| {
-                [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj]
-                    .iter()
-                    .map(|w| w.resident_bytes())
-                    .sum::<usize>()
-            })
-            .sum();
-        layers + self.lm_head.resident_bytes() + self.kv_bytes(ctx + 1)
+            .flat_map(|l| [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj])
+            .map(Weight::resident_bytes)
+            .sum()
     }
 
     /// How the projections are held, for reports: `blocks (Q4_1, Q8_0)` or `dense f32`.
@@ -687,17 +686,7 @@ impl Llama {
     /// Bytes the weights keep resident (block weights: their share of the mapped file; a tied
     /// head that reads the embedding's blocks is counted once).
     pub fn weight_bytes(&self) -> usize {
-        let mut total: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj]
-                    .iter()
-                    .map(|w| w.resident_bytes())
-                    .sum::<usize>()
-            })
-            .sum();
-        total += self.embed_tokens.resident_bytes();
+        let mut total = self.layer_weight_bytes() + self.embed_tokens.resident_bytes();
         let shared = match (&self.embed_tokens, &self.lm_head) {
             (Weight::Blocks(a), Weight::Blocks(b)) => Arc::ptr_eq(a, b),
             _ => false,
