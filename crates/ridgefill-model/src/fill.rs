@@ -633,8 +633,13 @@ impl Llama {
         let mut chosen = Vec::new();
         let h_last = match maps {
             Some(maps) => {
-                // The layer whose attention chooses the spans runs apart, so its input is kept.
-                let scored = split - 1;
+                // The layer whose attention chooses the spans runs apart, so its input is kept:
+                // the last full-attention layer below the split (a sliding one sees only the
+                // last `window` rows, so it could never point further back).
+                let scored = (0..split)
+                    .rev()
+                    .find(|&l| self.layers[l].window.is_none())
+                    .unwrap_or(split - 1);
                 let h_in = self.forward_layers(h, 0..scored, cache, 0)?;
                 let h_split = self.forward_layers(h_in.clone(), scored..split, cache, 0)?;
                 let spans = if rows.span_count(n) > 0 {
