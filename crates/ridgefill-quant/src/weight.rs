@@ -171,19 +171,25 @@ impl QMatrix {
     /// Dequantises rows `row0 .. row0 + out.len() / cols` into `out` (row-major f32), with values
     /// bit-identical to `ridgefill_io::quant::dequantize`.
     pub fn dequantize_rows_into(&self, row0: usize, out: &mut [f32]) -> Result<(), QError> {
-        let n = out.len() / self.cols;
-        let end = row0.saturating_add(n);
-        if !out.len().is_multiple_of(self.cols) || end > self.rows {
-            return Err(QError::RowRange {
-                start: row0,
-                end: row0.saturating_add(out.len().div_ceil(self.cols)),
-                rows: self.rows,
-            });
-        }
+        let end = row_end(row0, out.len(), self.cols, self.rows)?;
         let raw = &self.data[row0 * self.row_bytes..end * self.row_bytes];
         crate::dequant::dequantize_into(SimdLevel::detect(), self.ty, raw, out);
         Ok(())
     }
+}
+
+/// The end of the rows `row0..` that `len` output values fill, checked to be whole rows inside
+/// a weight of `rows` rows of `cols`.
+fn row_end(row0: usize, len: usize, cols: usize, rows: usize) -> Result<usize, QError> {
+    let end = row0.saturating_add(len / cols);
+    if !len.is_multiple_of(cols) || end > rows {
+        return Err(QError::RowRange {
+            start: row0,
+            end: row0.saturating_add(len.div_ceil(cols)),
+            rows,
+        });
+    }
+    Ok(end)
 }
 
 /// How [`QWeight::matmul_with`] runs.
@@ -368,15 +374,7 @@ impl QWeight {
 
     /// Dequantises stacked rows `row0 .. row0 + out.len() / cols` into `out`.
     pub fn dequantize_rows_into(&self, row0: usize, out: &mut [f32]) -> Result<(), QError> {
-        let n = out.len() / self.cols;
-        let end = row0.saturating_add(n);
-        if !out.len().is_multiple_of(self.cols) || end > self.rows {
-            return Err(QError::RowRange {
-                start: row0,
-                end: row0.saturating_add(out.len().div_ceil(self.cols)),
-                rows: self.rows,
-            });
-        }
+        let end = row_end(row0, out.len(), self.cols, self.rows)?;
         for (p, &start) in self.parts.iter().zip(&self.starts) {
             let (lo, hi) = (row0.max(start), end.min(start + p.rows));
             if lo < hi {
