@@ -172,6 +172,10 @@ fn fixture(d: &Path) {
     write_gguf_with(d, "nan.gguf", |t| {
         tensor_mut(t, norm0).values[3] = f32::NAN;
     });
+    // Weights kept as stored (`--weights native`, up_proj is F32 in the GGUF): still checked.
+    write_gguf_with(d, "nan_proj.gguf", |t| {
+        tensor_mut(t, "model.layers.0.mlp.up_proj.weight").values[5] = f32::NAN;
+    });
     // Finite weights so large that layer 0's MLP overflows f32.
     write_gguf_with(d, "overflow.gguf", |t| {
         let w = tensor_mut(t, "model.layers.0.post_attention_layernorm.weight");
@@ -548,6 +552,16 @@ fn rows() -> Vec<Row> {
                 "nan.gguf: tensor",
                 "input_layernorm",
                 "element 3 is NaN, expected a finite number",
+            ],
+        ),
+        r(
+            "NaN in a projection kept in its stored format",
+            gen_(&["-m", "nan_proj.gguf", "-p", "hi", "--device", "cpu"]),
+            ERR,
+            &[
+                "nan_proj.gguf: tensor",
+                "up_proj",
+                "element 5 is NaN, expected a finite number",
             ],
         ),
         r(

@@ -262,10 +262,12 @@ impl Loader<'_> {
                         });
                     }
                     let bytes = WeightBytes::from_owner(Arc::new(st.bytes), |b| &b[..]);
-                    match QMatrix::new(st.ty, *out, inp, bytes) {
+                    let m = match QMatrix::new(st.ty, *out, inp, bytes) {
                         Err(ridgefill_quant::QError::Unsupported(_)) => return Ok(None),
                         m => m.map_err(bad)?,
-                    }
+                    };
+                    self.check_finite(name, &m)?;
+                    m
                 }
                 WeightFormat::F16 => {
                     let data = self.host(name, &[*out, inp])?;
@@ -294,6 +296,30 @@ impl Loader<'_> {
         QWeight::new(mats)
             .map(Some)
             .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.ckpt.path.display())))
+    }
+
+    /// Blocks as stored are never dequantised at load, so a NaN or infinity in them (a bad scale
+    /// or value) is looked for here, a few rows at a time, as the dense path looks for it.
+    fn check_finite(&self, name: &str, m: &QMatrix) -> Result<()> {
+        const ROWS: usize = 64;
+        let cols = m.cols();
+        let mut buf = vec![0f32; ROWS.min(m.rows()) * cols];
+        for r0 in (0..m.rows()).step_by(ROWS) {
+            let chunk = &mut buf[..ROWS.min(m.rows() - r0) * cols];
+            m.dequantize_rows_into(r0, chunk).map_err(|e| {
+                ModelError::Invalid(format!("{}: tensor {name}: {e}", self.ckpt.path.display()))
+            })?;
+            if let Some(i) = chunk.iter().position(|x| !x.is_finite()) {
+                return Err(ridgefill_io::IoError::NonFinite {
+                    path: self.ckpt.path.clone(),
+                    tensor: name.to_string(),
+                    index: r0 * cols + i,
+                    value: f64::from(chunk[i]),
+                }
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// The embedding `[vocab, hidden]`: blocks where the format allows, else dense.
