@@ -26,7 +26,25 @@ impl FileBytes {
         }
         // SAFETY: read-only map; like every mmap loader we assume the file is not truncated while open.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| IoError::os(path, "memory-map", e))?;
+        let _ = mmap.advise(memmap2::Advice::Random);
         Ok(FileBytes::Map(mmap))
+    }
+
+    /// Drops `range`'s pages from the resident set once their bytes have been copied out:
+    /// keeping both the copy and the mapped original resident would count the tensor twice.
+    pub(crate) fn evict(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let FileBytes::Map(m) = self
+            && range.end <= m.len()
+        {
+            // SAFETY: on a read-only shared file mapping MADV_DONTNEED only unmaps the pages;
+            // a later access reads the same bytes back from the file, so no reference sees a change.
+            let advice = memmap2::UncheckedAdvice::DontNeed;
+            // Advice that fails only leaves the pages resident.
+            let _ = unsafe { m.unchecked_advise_range(advice, range.start, range.len()) };
+        }
+        #[cfg(not(unix))]
+        let _ = (self, range);
     }
 }
 
@@ -69,6 +87,13 @@ impl SharedBytes {
             start: 0,
             len,
         }
+    }
+}
+
+impl SharedBytes {
+    /// Drops these bytes' pages from the resident set after they were copied (see [`FileBytes::evict`]).
+    pub fn evict(&self) {
+        self.owner.evict(self.start..self.start + self.len);
     }
 }
 

@@ -117,7 +117,7 @@ impl Checkpoint {
         Ok(ckpt)
     }
 
-    fn from_gguf_unchecked(file: GgufFile) -> Result<Checkpoint> {
+    fn from_gguf_unchecked(mut file: GgufFile) -> Result<Checkpoint> {
         let path = file.path().to_path_buf();
         let path = path.as_path();
         let config = ModelConfig::from_gguf(&file)?;
@@ -125,6 +125,7 @@ impl Checkpoint {
         // The file's template, else the family's built-in one (Gemma 3's GGUF ships none).
         let chat_template =
             crate::chat::gguf_template(&file, &tokenizer, config.eos_ids().first().copied())?;
+        file.forget_metadata(crate::tokenizer::VOCAB_KEYS);
         let arch = file.architecture()?.to_string();
         let by_hf = file
             .tensors()
@@ -349,15 +350,18 @@ impl Checkpoint {
         let bytes = match heads {
             None => bytes,
             Some(n_heads) => {
-                SharedBytes::owned(unpermute_rows(&bytes, rows, n_heads).ok_or_else(|| {
-                    IoError::BadTensor {
-                        path: file.path().to_path_buf(),
-                        tensor: self.display_name(hf_name),
-                        what: "rows for the Q/K un-permute".into(),
-                        expected: format!("a multiple of 2 x {n_heads} heads"),
-                        found: rows.to_string(),
-                    }
-                })?)
+                let copy =
+                    SharedBytes::owned(unpermute_rows(&bytes, rows, n_heads).ok_or_else(|| {
+                        IoError::BadTensor {
+                            path: file.path().to_path_buf(),
+                            tensor: self.display_name(hf_name),
+                            what: "rows for the Q/K un-permute".into(),
+                            expected: format!("a multiple of 2 x {n_heads} heads"),
+                            found: rows.to_string(),
+                        }
+                    })?);
+                bytes.evict();
+                copy
             }
         };
         Ok(Some(StoredTensor {

@@ -30,6 +30,9 @@ pub const KEY_MERGES: &str = "tokenizer.ggml.merges";
 pub const KEY_SCORES: &str = "tokenizer.ggml.scores";
 pub const KEY_UNK: &str = "tokenizer.ggml.unknown_token_id";
 pub const KEY_TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
+/// Vocabulary arrays the tokenizer copies into its own tables: a loaded checkpoint drops them
+/// from the GGUF metadata rather than hold ~6 MB twice.
+pub const VOCAB_KEYS: &[&str] = &[KEY_TOKENS, KEY_MERGES, KEY_SCORES, KEY_TOKEN_TYPE];
 pub const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
 pub const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
 pub const KEY_EOT: &str = "tokenizer.ggml.eot_token_id";

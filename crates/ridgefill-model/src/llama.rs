@@ -340,6 +340,10 @@ impl Loader<'_> {
 }
 
 /// GGUF name of llama.cpp's per-frequency RoPE divisors, as the checkpoint exposes it.
+/// Prompt rows [`Llama::prefill`] runs through the layers at a time: bounds the activations
+/// (the MLP's `[rows, 2·intermediate]`) while the GEMMs stay large enough to run at full speed.
+pub const PREFILL_CHUNK: usize = 256;
+
 const GGUF_ROPE_FREQS: &str = "gguf.rope_freqs.weight";
 
 /// Long-context RoPE divisors: Llama 3 scaling from the config, or a GGUF `rope_freqs` tensor.
@@ -1037,11 +1041,13 @@ impl Llama {
     /// # Shapes
     /// - tokens: `[n]` → `[vocab]`
     pub fn prefill(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<1>> {
-        let h = self.forward_rows(tokens, cache)?;
-        let n = h.dims()[0];
-        Ok(self
-            .head(h.narrow(0, n - 1, 1))
-            .reshape([self.config.vocab_size]))
+        let mut last = None;
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            let h = self.forward_rows(chunk, cache)?;
+            last = Some(h.narrow(0, chunk.len() - 1, 1));
+        }
+        let last = last.ok_or(ModelError::EmptyInput)?;
+        Ok(self.head(last).reshape([self.config.vocab_size]))
     }
 
     /// Prefill returning logits for every position (teacher-forced scoring).

@@ -147,6 +147,14 @@ impl GgufFile {
         &self.metadata
     }
 
+    /// Drops metadata values whose contents were copied elsewhere (e.g. the vocabulary into a
+    /// tokenizer); later reads of them find nothing.
+    pub fn forget_metadata(&mut self, keys: &[&str]) {
+        for k in keys {
+            self.metadata.remove(*k);
+        }
+    }
+
     /// One metadata value.
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
         self.metadata.get(key)
@@ -175,22 +183,22 @@ impl GgufFile {
 
     /// Raw bytes of a tensor described by `info` (which must come from this file).
     pub fn bytes_of(&self, info: &GgufTensorInfo) -> &[u8] {
-        // Checked again so a descriptor from another file yields nothing rather than a panic.
-        let range = self
-            .data_offset
-            .checked_add(info.offset)
-            .and_then(|start| Some((start, start.checked_add(info.n_bytes)?)))
-            .and_then(|(s, e)| Some(usize::try_from(s).ok()?..usize::try_from(e).ok()?));
-        range.and_then(|r| self.mmap.get(r)).unwrap_or(&[])
+        self.range_of(info)
+            .and_then(|r| self.mmap.get(r))
+            .unwrap_or(&[])
+    }
+
+    /// The tensor's byte range in the file, checked again so a descriptor from another file
+    /// yields nothing rather than a panic.
+    fn range_of(&self, info: &GgufTensorInfo) -> Option<std::ops::Range<usize>> {
+        let start = self.data_offset.checked_add(info.offset)?;
+        let end = start.checked_add(info.n_bytes)?;
+        Some(usize::try_from(start).ok()?..usize::try_from(end).ok()?)
     }
 
     /// [`GgufFile::bytes_of`] as a range that keeps the mapping alive (empty when out of range).
     pub fn shared_bytes_of(&self, info: &GgufTensorInfo) -> SharedBytes {
-        let start = self.data_offset.checked_add(info.offset);
-        let range = start
-            .and_then(|s| Some((s, s.checked_add(info.n_bytes)?)))
-            .and_then(|(s, e)| Some(usize::try_from(s).ok()?..usize::try_from(e).ok()?));
-        range
+        self.range_of(info)
             .and_then(|r| SharedBytes::new(&self.mmap, r))
             .unwrap_or_else(|| SharedBytes::owned(Vec::new()))
     }
@@ -204,13 +212,17 @@ impl GgufFile {
                 tensor: name.to_string(),
             })?;
         let raw = self.bytes_of(info);
-        quant::dequantize(info.ggml_type, raw, info.n_elements() as usize).map_err(|source| {
-            IoError::Dequantize {
+        let data = quant::dequantize(info.ggml_type, raw, info.n_elements() as usize).map_err(
+            |source| IoError::Dequantize {
                 path: self.path.clone(),
                 tensor: name.to_string(),
                 source,
-            }
-        })
+            },
+        )?;
+        if let Some(r) = self.range_of(info) {
+            self.mmap.evict(r);
+        }
+        Ok(data)
     }
 
     fn wrong_type(&self, key: &str, expected: &str, found: &MetaValue) -> IoError {
