@@ -9,7 +9,7 @@ mod tiny;
 use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::model::fill::{FillMaps, FillRows, Oracle};
 use ridgefill::model::llama::Llama;
-use ridgefill::model::{Device, FloatDType, Weight, to_host_f32};
+use ridgefill::model::{Device, FloatDType, Weight, WeightFormat, to_host_f32};
 
 /// Agreement expected between two f32 implementations of the same tiny model.
 const TOL: f32 = 1e-3;
@@ -647,4 +647,57 @@ fn chosen_spans_contain_a_planted_needle() {
         let covered: usize = spans.iter().map(|s| s.len()).sum();
         assert!(covered <= rows.exact_rows(N), "{spans:?}");
     }
+}
+
+/// Synthetic block weights hold the dense model's values quantised (generated in their transposed
+/// order): f16 blocks agree with the f32 model to f16 rounding, Q4_0 (what `native` gives a
+/// synthetic model) to 4-bit rounding, and both hold a fraction of the dense bytes.
+#[test]
+fn synthetic_block_weights_quantise_the_dense_model() {
+    common::init();
+    let config: ridgefill::io::config::ModelConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
+        "max_position_embeddings": 1024, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let build = |w: WeightFormat| {
+        Llama::random_with(config.clone(), &Device::flex(), FloatDType::F32, w, 64, 5).unwrap()
+    };
+    let ids = prompt(20, config.vocab_size);
+    let logits = |m: &Llama| to_host_f32(m.prefill(&ids, &mut m.new_cache(ids.len())).unwrap());
+    let dense = build(WeightFormat::F32);
+    let want = logits(&dense);
+    let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    // (format, held, largest logit error as a share of the largest logit, bytes per weight)
+    for (w, held, tol, bytes) in [
+        (WeightFormat::F16, "blocks (F16)", 2e-3, 2.0),
+        (WeightFormat::Native, "blocks (Q4_0)", 0.15, 18.0 / 32.0),
+    ] {
+        let m = build(w);
+        assert_eq!(m.weights_held(), held);
+        let got = logits(&m);
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err <= tol * spread, "{held}: logit error {err} of {spread}");
+        let ratio = m.weight_bytes() as f64 / dense.weight_bytes() as f64;
+        assert!(
+            ratio <= bytes / 4.0 * 1.1,
+            "{held}: {ratio} of the dense bytes"
+        );
+    }
+    // Off the CPU kernels (another dtype) block formats fall back to dense.
+    let bf = Llama::random_with(
+        config,
+        &Device::flex(),
+        FloatDType::F16,
+        WeightFormat::Native,
+        64,
+        5,
+    );
+    assert_eq!(bf.unwrap().weights_held(), "dense f16");
 }

@@ -371,7 +371,14 @@ pub fn load_any(
         let config = ridgefill::model::synthetic::shape(shape)?;
         let device = ridgefill::model::select_device(choice)?;
         eprintln!("bench: building synthetic {shape} on {}", device.backend);
-        let model = Llama::random(config, &device.device, dtype, capacity, SYNTHETIC_SEED)?;
+        let model = Llama::random_with(
+            config,
+            &device.device,
+            dtype,
+            weights,
+            capacity,
+            SYNTHETIC_SEED,
+        )?;
         return Ok(Bench {
             model,
             device,
@@ -497,10 +504,10 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
         backend,
         device: loaded.device.adapter.clone(),
         dtype: dtype_name(a.dtype),
-        weights_source: loaded
-            .ckpt
-            .as_ref()
-            .map_or("random f32 (synthetic)".into(), stored_dtypes),
+        weights_source: loaded.ckpt.as_ref().map_or_else(
+            || format!("random, {} (synthetic)", model.weights_held()),
+            stored_dtypes,
+        ),
         weights_held: model.weights_held(),
         weight_bytes: model.weight_bytes(),
         burn_version: env!("RIDGEFILL_BURN_VERSION"),

@@ -54,6 +54,46 @@ pub fn quantize_q8_0(xs: &[f32]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// Quantises `xs` to Q4_0 blocks as ggml's reference quantiser does: the f16 scale is the
+/// largest-magnitude value over -8, the 32 codes are nibbles offset by 8 (low nibbles hold the
+/// first 16 values); `None` unless `xs` fills whole blocks.
+pub fn quantize_q4_0(xs: &[f32]) -> Option<Vec<u8>> {
+    if !xs.len().is_multiple_of(QK) {
+        return None;
+    }
+    /// Largest nibble code.
+    const MAX_CODE: f32 = 15.0;
+    let half = QK / 2;
+    let mut out = Vec::with_capacity(xs.len() / QK * GgmlType::Q4_0.type_size());
+    for block in xs.chunks_exact(QK) {
+        let max = block
+            .iter()
+            .fold(0.0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
+        let d = max / -(Q4_0_OFFSET as f32);
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        // `+ 8.5` then truncation is ggml's round-half-up onto the offset codes.
+        let code = |x: f32| (x * id + Q4_0_OFFSET as f32 + 0.5).min(MAX_CODE) as u8;
+        out.extend((0..half).map(|j| code(block[j]) | (code(block[half + j]) << NIBBLE_BITS)));
+    }
+    Some(out)
+}
+
+/// `xs` in `ty`'s blocks, for weights quantised at load and synthetic models: F16, Q8_0 or Q4_0;
+/// `None` for another type or a length that does not fill whole blocks.
+pub fn quantize(ty: GgmlType, xs: &[f32]) -> Option<Vec<u8>> {
+    match ty {
+        GgmlType::F16 => Some(
+            xs.iter()
+                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                .collect(),
+        ),
+        GgmlType::Q8_0 => quantize_q8_0(xs),
+        GgmlType::Q4_0 => quantize_q4_0(xs),
+        _ => None,
+    }
+}
+
 /// Errors of the pure dequantisation layer (no file context; callers add it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
@@ -508,6 +548,52 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn q4_0_matches_ggml_and_round_trips() {
+        // One block worked by hand: max-magnitude value -4 gives d = 0.5, codes x / 0.5 + 8.
+        let mut block = [0.0f32; QK];
+        block[0] = -4.0;
+        block[1] = 1.0;
+        block[16] = 3.5;
+        block[17] = 0.26;
+        let raw = quantize_q4_0(&block).unwrap();
+        assert_eq!(f16::from_le_bytes([raw[0], raw[1]]).to_f32(), 0.5);
+        // codes: 0 -> 0, 1.0 -> 10, 3.5 -> 15, 0.26 -> round(8.52) = 9 (ggml's +8.5 truncation).
+        assert_eq!(raw[2], 15 << 4); // low nibble 0, high nibble 15
+        assert_eq!(raw[3], 10 | (9 << 4));
+        assert_eq!(raw[4], 8 | (8 << 4));
+
+        let xs: Vec<f32> = (0..96)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
+            .collect();
+        let raw = quantize(GgmlType::Q4_0, &xs).unwrap();
+        assert_eq!(raw.len(), 3 * GgmlType::Q4_0.type_size());
+        let back = dequantize(GgmlType::Q4_0, &raw, xs.len()).unwrap();
+        for (block, got) in xs.chunks(QK).zip(back.chunks(QK)) {
+            let step = block.iter().fold(0.0f32, |m, x| m.max(x.abs())) / 8.0;
+            for (a, b) in block.iter().zip(got) {
+                // Half a step, except opposite the extreme where code 15 stops at 7/8 of it.
+                let bound = if a.abs() > 6.5 * step {
+                    step
+                } else {
+                    0.5 * step
+                };
+                assert!((a - b).abs() <= bound + a.abs() * 1e-3, "{a} vs {b}");
+            }
+        }
+        assert!(quantize_q4_0(&xs[..40]).is_none());
+        assert!(quantize(GgmlType::Q4_1, &xs).is_none());
+        let f16s = quantize(GgmlType::F16, &xs[..2]).unwrap();
+        assert_eq!(
+            f16s,
+            [
+                f16::from_f32(xs[0]).to_le_bytes(),
+                f16::from_f32(xs[1]).to_le_bytes()
+            ]
+            .concat()
+        );
+    }
 
     #[test]
     fn sizes_match_ggml() {

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData, activation};
-use ridgefill_io::GgmlType;
 use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_io::config::{Activation, ModelConfig};
 use ridgefill_quant::{QMatrix, QWeight, WeightBytes};
@@ -269,27 +268,20 @@ impl Loader<'_> {
                     self.check_finite(name, &m)?;
                     m
                 }
-                WeightFormat::F16 => {
-                    let data = self.host(name, &[*out, inp])?;
-                    let bytes: Vec<u8> = data
-                        .iter()
-                        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                        .collect();
-                    QMatrix::new(GgmlType::F16, *out, inp, WeightBytes::from_vec(bytes))
-                        .map_err(bad)?
-                }
-                WeightFormat::Q8 => {
+                // f32 stays dense; f16 and q8 are converted here.
+                format => {
+                    let Some(ty) = format.load_type() else {
+                        return Ok(None);
+                    };
                     let data = self.host(name, &[*out, inp])?;
                     // Rows that do not fill whole blocks stay dense.
-                    let Some(bytes) = ridgefill_io::quant::quantize_q8_0(&data)
-                        .filter(|_| inp.is_multiple_of(GgmlType::Q8_0.block_size()))
+                    let Some(bytes) = ridgefill_io::quant::quantize(ty, &data)
+                        .filter(|_| inp.is_multiple_of(ty.block_size()))
                     else {
                         return Ok(None);
                     };
-                    QMatrix::new(GgmlType::Q8_0, *out, inp, WeightBytes::from_vec(bytes))
-                        .map_err(bad)?
+                    QMatrix::new(ty, *out, inp, WeightBytes::from_vec(bytes)).map_err(bad)?
                 }
-                WeightFormat::F32 => return Ok(None),
             };
             mats.push(m);
         }

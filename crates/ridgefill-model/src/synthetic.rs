@@ -2,12 +2,16 @@
 //! on machines that hold no checkpoint. Weights come from a seeded host generator, so every
 //! device gets bit-identical weights.
 
+use std::sync::Arc;
+
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use ridgefill_io::GgmlType;
 use ridgefill_io::config::ModelConfig;
+use ridgefill_quant::{QMatrix, QWeight, WeightBytes};
 
 use crate::error::{ModelError, Result};
 use crate::llama::{Llama, LlamaLayer};
-use crate::weight::Weight;
+use crate::weight::{Weight, WeightFormat};
 
 /// Model names accepted after `synthetic:`.
 pub const SHAPES: &[&str] = &["smollm2-135m", "llama-1b"];
@@ -37,24 +41,49 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     serde_json::from_value(json).map_err(|e| ModelError::Invalid(format!("shape {name}: {e}")))
 }
 
+/// The block type synthetic weights are held in: `native` stands for a typical 4-bit GGUF.
+pub fn block_type(weights: WeightFormat) -> Option<GgmlType> {
+    match weights {
+        WeightFormat::Native => Some(GgmlType::Q4_0),
+        other => other.load_type(),
+    }
+}
+
 /// SplitMix64: tiny, fast and the same everywhere.
 struct SplitMix(u64);
 
+/// SplitMix64's state increment.
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
 impl SplitMix {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0 = self.0.wrapping_add(GOLDEN);
+        mix(self.0)
     }
 
     /// Uniform in `[-1, 1)`.
     fn next_sym(&mut self) -> f32 {
-        const MANTISSA: u32 = 24;
-        let u = (self.next_u64() >> (64 - MANTISSA)) as f32 / (1u32 << MANTISSA) as f32;
-        2.0 * u - 1.0
+        sym(self.next_u64())
     }
+
+    /// The `t`-th value [`SplitMix::next_sym`] would return from this state, without the `t`
+    /// before it: block weights are generated in their transposed order.
+    fn sym_at(&self, t: u64) -> f32 {
+        sym(mix(self.0.wrapping_add(GOLDEN.wrapping_mul(t + 1))))
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Uniform in `[-1, 1)` from 24 random bits.
+fn sym(u: u64) -> f32 {
+    const MANTISSA: u32 = 24;
+    let u = (u >> (64 - MANTISSA)) as f32 / (1u32 << MANTISSA) as f32;
+    2.0 * u - 1.0
 }
 
 struct Gen<'a> {
@@ -86,10 +115,93 @@ impl Gen<'_> {
     }
 
     fn values(&mut self, n: usize, f: impl Fn(f32) -> f32) -> Vec<f32> {
-        // One stream per tensor, so a tensor's values do not depend on the ones made before it.
-        self.tensor += 1;
-        let mut rng = SplitMix(self.seed ^ self.tensor.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let mut rng = self.stream();
         (0..n).map(|_| f(rng.next_sym())).collect()
+    }
+
+    /// One stream per tensor, so a tensor's values do not depend on the ones made before it.
+    fn stream(&mut self) -> SplitMix {
+        self.tensor += 1;
+        SplitMix(self.seed ^ self.tensor.wrapping_mul(0x2545_f491_4f6c_dd1d))
+    }
+
+    /// [`Gen::matrix`] as `ty` blocks when given, else dense.
+    fn weight(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        fan_in: usize,
+        ty: Option<GgmlType>,
+    ) -> Result<Weight> {
+        match ty {
+            None => Ok(Weight::Dense(self.matrix(rows, cols, fan_in))),
+            Some(ty) => Ok(Weight::Blocks(Arc::new(
+                self.blocks(rows, cols, fan_in, true, ty)?,
+            ))),
+        }
+    }
+
+    /// The values [`Gen::matrix`] would make, quantised to `ty` blocks along HF `[out, in]` rows:
+    /// the transpose of the `[rows, cols]` matrix when `transposed` (projections are stored
+    /// `[in, out]`), else the matrix itself (the embedding). Built row by row on every core, so
+    /// a 1B model never exists in f32.
+    fn blocks(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        fan_in: usize,
+        transposed: bool,
+        ty: GgmlType,
+    ) -> Result<QWeight> {
+        let scale = (3.0 / fan_in as f32).sqrt();
+        let rng = self.stream();
+        let (out, inp) = if transposed {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        let index = |o: usize, i: usize| if transposed { i * cols + o } else { o * cols + i } as u64;
+        let row_bytes = inp / ty.block_size() * ty.type_size();
+        let bad = || {
+            ModelError::Invalid(format!(
+                "synthetic weights: {inp} columns do not fill {ty} blocks"
+            ))
+        };
+        if !inp.is_multiple_of(ty.block_size()) {
+            return Err(bad());
+        }
+        // Written in place, one share of the rows per thread: no second copy at any point.
+        let mut bytes = vec![0u8; out * row_bytes];
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = out.div_ceil(threads);
+        let done = std::thread::scope(|s| {
+            let jobs: Vec<_> = bytes
+                .chunks_mut(per * row_bytes)
+                .enumerate()
+                .map(|(t, share)| {
+                    let (rng, index) = (&rng, &index);
+                    s.spawn(move || {
+                        let mut row = vec![0.0f32; inp];
+                        for (k, dst) in share.chunks_exact_mut(row_bytes).enumerate() {
+                            let o = t * per + k;
+                            for (i, x) in row.iter_mut().enumerate() {
+                                *x = scale * rng.sym_at(index(o, i));
+                            }
+                            dst.copy_from_slice(&ridgefill_io::quant::quantize(ty, &row)?);
+                        }
+                        Some(())
+                    })
+                })
+                .collect();
+            jobs.into_iter().all(|j| j.join().ok().flatten().is_some())
+        });
+        if !done {
+            return Err(bad());
+        }
+        let m = QMatrix::new(ty, out, inp, WeightBytes::from_vec(bytes))
+            .and_then(|m| QWeight::new(vec![m]))
+            .map_err(|e| ModelError::Invalid(format!("synthetic weights: {e}")))?;
+        Ok(m)
     }
 }
 
@@ -102,7 +214,29 @@ impl Llama {
         max_positions: usize,
         seed: u64,
     ) -> Result<Self> {
+        Self::random_with(
+            config,
+            device,
+            dtype,
+            WeightFormat::F32,
+            max_positions,
+            seed,
+        )
+    }
+
+    /// [`Llama::random`] with weights held as `weights` says ([`block_type`]) where the
+    /// quantised CPU kernels run, dense elsewhere. Block weights are the dense model's values
+    /// quantised, with the tied head's `1/√hidden` moved into the final norm.
+    pub fn random_with(
+        config: ModelConfig,
+        device: &Device,
+        dtype: FloatDType,
+        weights: WeightFormat,
+        max_positions: usize,
+        seed: u64,
+    ) -> Result<Self> {
         let cpu_kernels = crate::llama::cpu_kernels_apply(device, dtype)?;
+        let ty = block_type(weights).filter(|_| cpu_kernels);
         let d = config.hidden_size;
         let (q_dim, kv_dim, ff) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
         let mut g = Gen {
@@ -115,27 +249,45 @@ impl Llama {
         // The base tensors first, in the same order as always, so a Llama config's weights do
         // not depend on the switches other families add.
         let mut layers: Vec<LlamaLayer> = (0..config.num_hidden_layers)
-            .map(|l| LlamaLayer {
-                input_layernorm: g.norm(d),
-                qkv_proj: Weight::Dense(g.matrix(d, q_dim + 2 * kv_dim, d)),
-                qkv_bias: None,
-                q_norm: None,
-                k_norm: None,
-                o_proj: Weight::Dense(g.matrix(q_dim, d, q_dim)),
-                o_bias: None,
-                post_attention_layernorm: g.norm(d),
-                pre_feedforward_layernorm: None,
-                post_feedforward_layernorm: None,
-                gate_up_proj: Weight::Dense(g.matrix(d, 2 * ff, d)),
-                down_proj: Weight::Dense(g.matrix(ff, d, ff)),
-                window: config.layer_window(l),
-                local_rope: config.layer_uses_local_rope(l),
+            .map(|l| {
+                Ok(LlamaLayer {
+                    input_layernorm: g.norm(d),
+                    qkv_proj: g.weight(d, q_dim + 2 * kv_dim, d, ty)?,
+                    qkv_bias: None,
+                    q_norm: None,
+                    k_norm: None,
+                    o_proj: g.weight(q_dim, d, q_dim, ty)?,
+                    o_bias: None,
+                    post_attention_layernorm: g.norm(d),
+                    pre_feedforward_layernorm: None,
+                    post_feedforward_layernorm: None,
+                    gate_up_proj: g.weight(d, 2 * ff, d, ty)?,
+                    down_proj: g.weight(ff, d, ff, ty)?,
+                    window: config.layer_window(l),
+                    local_rope: config.layer_uses_local_rope(l),
+                })
             })
-            .collect();
-        // Embedding rows of unit scale; the head is the tied embedding, transposed.
-        let embed_tokens = g.matrix(config.vocab_size, d, 1);
-        let mut lm_head = embed_tokens.clone().transpose() / (d as f32).sqrt();
-        let norm = g.norm(d);
+            .collect::<Result<_>>()?;
+        // Embedding rows of unit scale; the head is the tied embedding, transposed, over √d.
+        let head_scale = 1.0 / (d as f32).sqrt();
+        let (embed_tokens, mut lm_head, norm) = match ty {
+            None => {
+                let e = g.matrix(config.vocab_size, d, 1);
+                let head = Weight::Dense(e.clone().transpose() * head_scale);
+                (Weight::Dense(e), head, g.norm(d))
+            }
+            Some(ty) => {
+                let e = Weight::Blocks(Arc::new(g.blocks(config.vocab_size, d, 1, false, ty)?));
+                // Block heads have no scale of their own: the final norm (the head's only
+                // input) carries the tied head's.
+                let norm = g.norm(d);
+                let norm = match config.tie_word_embeddings {
+                    true => norm * head_scale,
+                    false => norm,
+                };
+                (e.clone(), e, norm)
+            }
+        };
         // The family's optional tensors.
         for layer in &mut layers {
             if config.attention_bias {
@@ -152,16 +304,16 @@ impl Llama {
             }
         }
         if !config.tie_word_embeddings {
-            lm_head = g.matrix(d, config.vocab_size, d);
+            lm_head = g.weight(d, config.vocab_size, d, ty)?;
         }
         let (rope, rope_local) =
             crate::llama::ropes(&config, None, max_positions.max(1), dtype, device);
         Ok(Self {
             config,
-            embed_tokens: Weight::Dense(embed_tokens),
+            embed_tokens,
             layers,
             norm,
-            lm_head: Weight::Dense(lm_head),
+            lm_head,
             rope,
             rope_local,
             device: device.clone(),

@@ -37,6 +37,17 @@ impl WeightFormat {
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|w| w.name() == s)
     }
+
+    /// The block type weights are converted to at load (f16, q8), `None` where they are kept
+    /// as stored (native) or dense (f32).
+    pub fn load_type(self) -> Option<ridgefill_io::quant::GgmlType> {
+        use ridgefill_io::quant::GgmlType;
+        match self {
+            Self::F16 => Some(GgmlType::F16),
+            Self::Q8 => Some(GgmlType::Q8_0),
+            Self::Native | Self::F32 => None,
+        }
+    }
 }
 
 impl std::fmt::Display for WeightFormat {

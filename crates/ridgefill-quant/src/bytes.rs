@@ -25,7 +25,8 @@ unsafe impl Sync for WeightBytes {}
 impl WeightBytes {
     /// Takes ownership of a buffer.
     pub fn from_vec(bytes: Vec<u8>) -> WeightBytes {
-        Self::from_arc(Arc::<[u8]>::from(bytes))
+        // Owned as is: `Arc<[u8]>::from` would copy, briefly holding the weights twice.
+        Self::from_owner(Arc::new(bytes), |b| &b[..])
     }
 
     /// Shares an already reference-counted buffer.
