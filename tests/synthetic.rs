@@ -506,7 +506,8 @@ fn gqa_model(layers: usize, cpu_kernels: bool) -> Llama {
 #[test]
 fn exact_pass_over_every_row_equals_full_prefill() {
     common::init();
-    const N: usize = 70;
+    // Longer than a prefill chunk, so both sides run their prompt-length passes in chunks.
+    const N: usize = ridgefill::model::llama::PREFILL_CHUNK + 70;
     for cpu_kernels in [true, false] {
         let model = gqa_model(4, cpu_kernels);
         let ids = prompt(N + 1, model.config.vocab_size);
@@ -700,4 +701,26 @@ fn synthetic_block_weights_quantise_the_dense_model() {
         5,
     );
     assert_eq!(bf.unwrap().weights_held(), "dense f16");
+}
+
+/// Prefill in chunks of [`PREFILL_CHUNK`] rows gives the logits of one pass over every row, on
+/// both CPU code paths.
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    common::init();
+    let n = ridgefill::model::llama::PREFILL_CHUNK + 137;
+    for cpu_kernels in [true, false] {
+        let model = gqa_model(3, cpu_kernels);
+        let ids = prompt(n, model.config.vocab_size);
+        let chunked = to_host_f32(model.prefill(&ids, &mut model.new_cache(n)).unwrap());
+        let all = model
+            .forward_all_logits(&ids, &mut model.new_cache(n))
+            .unwrap();
+        let one_pass = to_host_f32(all.narrow(0, n - 1, 1).reshape([-1]));
+        let d = common::max_abs_diff(&chunked, &one_pass);
+        assert!(
+            d < 1e-4,
+            "kernels {cpu_kernels}: chunked vs one pass max |Δ| {d}"
+        );
+    }
 }

@@ -625,7 +625,7 @@ impl Llama {
         let layers = self.num_layers();
         let h = self.embed(tokens)?;
         let Some(bulk) = rows.bulk(n) else {
-            let h = self.forward_layers(h, 0..layers, cache, 0)?;
+            let h = self.forward_layers_chunked(h, 0..layers, cache, 0)?;
             cache.set_len(n);
             let logits = self.head(h.narrow(0, n - 1, 1));
             return Ok((logits.reshape([self.config.vocab_size]), Vec::new()));
@@ -640,8 +640,8 @@ impl Llama {
                     .rev()
                     .find(|&l| self.layers[l].window.is_none())
                     .unwrap_or(split - 1);
-                let h_in = self.forward_layers(h, 0..scored, cache, 0)?;
-                let h_split = self.forward_layers(h_in.clone(), scored..split, cache, 0)?;
+                let h_in = self.forward_layers_chunked(h, 0..scored, cache, 0)?;
+                let h_split = self.forward_layers_chunked(h_in.clone(), scored..split, cache, 0)?;
                 let spans = if rows.span_count(n) > 0 {
                     let tail = h_in.narrow(0, bulk.end, n - bulk.end);
                     let scores = self.tail_scores(scored, tail, cache, bulk.end)?;
@@ -657,7 +657,7 @@ impl Llama {
                 self.exact_pass(maps, h_split, &exact, bulk.start, cache, oracle)?
             }
             None => {
-                let h = self.forward_layers(h, 0..split, cache, 0)?;
+                let h = self.forward_layers_chunked(h, 0..split, cache, 0)?;
                 let (sink, tail0) = (bulk.start, bulk.end);
                 if sink > 0 {
                     self.forward_layers(h.clone().narrow(0, 0, sink), split..layers, cache, 0)?;
