@@ -724,3 +724,71 @@ fn chunked_prefill_equals_one_pass() {
         );
     }
 }
+
+/// One batched decode step over sequences of different lengths gives each the logits of its own
+/// decode step, and leaves each cache as that step would; with dense weights on both CPU paths
+/// and with Q4_0 blocks (the batch runs the quantised kernels with m = 3).
+#[test]
+fn batched_decode_equals_each_sequence_alone() {
+    common::init();
+    let lens = [5usize, 33, 12];
+    let mut models: Vec<(String, Llama)> = [true, false]
+        .into_iter()
+        .map(|k| (format!("dense, kernels {k}"), gqa_model(3, k)))
+        .collect();
+    let q4 = Llama::random_with(
+        gqa_model(3, true).config.clone(),
+        &Device::flex(),
+        FloatDType::F32,
+        WeightFormat::Native,
+        512,
+        3,
+    )
+    .unwrap();
+    models.push(("Q4_0".into(), q4));
+    for (name, model) in &models {
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| prompt(n + 2 + i, vocab)[i..i + n + 2].to_vec())
+            .collect();
+        // Each sequence alone: prefill, then two decode steps.
+        let mut alone = Vec::new();
+        for p in &prompts {
+            let n = p.len() - 2;
+            let mut c = model.new_cache(n + 2);
+            model.prefill(&p[..n], &mut c).unwrap();
+            let a = to_host_f32(model.decode_step(p[n], &mut c).unwrap());
+            let b = to_host_f32(model.decode_step(p[n + 1], &mut c).unwrap());
+            alone.push((a, b));
+        }
+        // All together: the same prefills, then two batched steps.
+        let mut caches: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let n = p.len() - 2;
+                let mut c = model.new_cache(n + 2);
+                model.prefill(&p[..n], &mut c).unwrap();
+                c
+            })
+            .collect();
+        for step in 0..2 {
+            let toks: Vec<u32> = prompts.iter().map(|p| p[p.len() - 2 + step]).collect();
+            let mut refs: Vec<_> = caches.iter_mut().collect();
+            let got = to_host_f32(model.decode_batch(&toks, &mut refs).unwrap());
+            for (i, want) in alone.iter().enumerate() {
+                let want = if step == 0 { &want.0 } else { &want.1 };
+                let d = common::max_abs_diff(want, &got[i * vocab..(i + 1) * vocab]);
+                assert!(d < 1e-3, "{name}: sequence {i} step {step}: max |Δ| {d}");
+            }
+        }
+        for (c, p) in caches.iter().zip(&prompts) {
+            assert_eq!(c.len(), p.len());
+        }
+        // A full cache is an error, not a panic or a silent overwrite.
+        let mut refs: Vec<_> = caches.iter_mut().collect();
+        assert!(model.decode_batch(&[1, 2, 3], &mut refs).is_err());
+        assert!(model.decode_batch(&[1], &mut refs).is_err());
+    }
+}

@@ -912,9 +912,25 @@ impl Llama {
         cache: &mut KvCache,
         at: At,
     ) -> (Tensor<2>, Tensor<2>) {
+        let (attn, kv_pre) = self.attention_rows(l, qkv, cache, at);
+        (self.block_after_attention(l, h, attn), kv_pre)
+    }
+
+    /// The attention half of a block: RoPE, cache write and attention of the rows' Q/K/V; also
+    /// returns their pre-RoPE K/V. Rows of one sequence; batched decode calls it per sequence.
+    ///
+    /// # Shapes
+    /// - qkv: `[m, q_dim + 2·kv_dim]` → (`[m, q_dim]`, `[m, 2·kv_dim]`)
+    fn attention_rows(
+        &self,
+        l: usize,
+        qkv: Tensor<2>,
+        cache: &mut KvCache,
+        at: At,
+    ) -> (Tensor<2>, Tensor<2>) {
         let layer = &self.layers[l];
         let cfg = &self.config;
-        let m = h.dims()[0];
+        let m = qkv.dims()[0];
         let (heads, kv_heads, hd) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -932,12 +948,7 @@ impl Llama {
             let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, rot);
             let seen = store(cache, l, k, v, at);
             let (k_all, v_all) = cache.read(l);
-            let a = crate::cpu::attention(q, k_all, v_all, &seen);
-            let h = self.linear_add(a, &layer.o_proj, h);
-            let x = self.rms_norm(h.clone(), Some(&layer.post_attention_layernorm));
-            let gu = self.linear(x, &layer.gate_up_proj);
-            let act = crate::cpu::swiglu(gu);
-            return (self.linear_add(act, &layer.down_proj, h), kv_pre);
+            return (crate::cpu::attention(q, k_all, v_all, &seen), kv_pre);
         }
         let rotate = |x: Tensor<4>| match at {
             At::Next(pos) => rope.apply(x, pos),
@@ -948,7 +959,25 @@ impl Llama {
         let seen = store(cache, l, rotate(k), v, at);
         let (k_all, v_all) = cache.read(l);
         let attn = self.attend(q, k_all, v_all, heads, kv_heads, &seen, layer.window);
-        let attn = attn.swap_dims(1, 2).reshape([m, heads * hd]);
+        (attn.swap_dims(1, 2).reshape([m, heads * hd]), kv_pre)
+    }
+
+    /// The rest of a block after attention: output projection, residual, MLP. Row-wise, so the
+    /// rows of several sequences go through it as one batch.
+    ///
+    /// # Shapes
+    /// - h: `[m, hidden]`, attn: `[m, q_dim]` → `[m, hidden]`
+    fn block_after_attention(&self, l: usize, h: Tensor<2>, attn: Tensor<2>) -> Tensor<2> {
+        let layer = &self.layers[l];
+        let cfg = &self.config;
+        #[cfg(feature = "flex")]
+        if self.fused_block(l) {
+            let h = self.linear_add(attn, &layer.o_proj, h);
+            let x = self.rms_norm(h.clone(), Some(&layer.post_attention_layernorm));
+            let gu = self.linear(x, &layer.gate_up_proj);
+            let act = crate::cpu::swiglu(gu);
+            return self.linear_add(act, &layer.down_proj, h);
+        }
         let mut out = self.linear(attn, &layer.o_proj);
         if let Some(b) = &layer.o_bias {
             out = out + b.clone().unsqueeze_dim::<2>(0);
@@ -980,7 +1009,7 @@ impl Llama {
             Some(w) => self.rms_norm(y, Some(w)),
             None => y,
         };
-        (h + y, kv_pre)
+        h + y
     }
 
     /// Causal grouped-query attention over all `t` cached positions: query `i` sees the first
@@ -1079,6 +1108,51 @@ impl Llama {
     /// One decode step; returns the next-token logits.
     pub fn decode_step(&self, token: u32, cache: &mut KvCache) -> Result<Tensor<1>> {
         self.prefill(&[token], cache)
+    }
+
+    /// One decode step of several sequences at once, `tokens[i]` appended to `caches[i]`: every
+    /// projection and the MLP run as one `[b, ·]` matmul over all of them (the weights are read
+    /// once per step, not once per sequence); attention runs per sequence on its own cache.
+    /// Row `i` equals [`Llama::decode_step`] of sequence `i` alone.
+    ///
+    /// # Shapes
+    /// - tokens: `[b]` → `[b, vocab]`
+    pub fn decode_batch(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor<2>> {
+        if tokens.is_empty() || tokens.len() != caches.len() {
+            return Err(ModelError::Invalid(format!(
+                "decode_batch: {} tokens for {} caches",
+                tokens.len(),
+                caches.len()
+            )));
+        }
+        for c in caches.iter() {
+            let needed = c.len() + 1;
+            if needed > c.capacity() || needed > self.rope.max_positions() {
+                return Err(ModelError::CacheFull {
+                    capacity: c.capacity().min(self.rope.max_positions()),
+                    needed,
+                });
+            }
+        }
+        let mut h = self.embed(tokens)?;
+        for l in 0..self.num_layers() {
+            let qkv = self.qkv(l, h.clone());
+            let attn: Vec<Tensor<2>> = caches
+                .iter_mut()
+                .enumerate()
+                .map(|(i, c)| {
+                    let pos = c.len();
+                    self.attention_rows(l, qkv.clone().narrow(0, i, 1), c, At::Next(pos))
+                        .0
+                })
+                .collect();
+            h = self.block_after_attention(l, h, Tensor::cat(attn, 0));
+        }
+        for c in caches.iter_mut() {
+            let len = c.len() + 1;
+            c.set_len(len);
+        }
+        Ok(self.head(h))
     }
 
     fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<2>> {
