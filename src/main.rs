@@ -37,6 +37,8 @@ enum Command {
     Parity(commands::parity::Args),
     /// Describe a model: architecture, shapes, dtypes, tokenizer, chat template.
     Info(commands::info::Args),
+    /// OpenAI-compatible HTTP server with continuous batching (chat and text completions).
+    Serve(commands::serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +61,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => commands::eval::run(a),
         Command::Probe(a) => commands::probe::run(a),
         Command::Parity(a) => commands::parity::run(a),
+        Command::Serve(a) => commands::serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -9,3 +9,4 @@ pub mod parity;
 pub mod probe;
 pub mod retrieval;
 pub mod score;
+pub mod serve;

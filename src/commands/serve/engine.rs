@@ -1,0 +1,351 @@
+//! The scheduler: one thread owns the model and runs continuous batching over up to `parallel`
+//! sequences. Between decode steps it admits queued requests and prefills one chunk of one
+//! prompt, so a long prompt delays the running streams by at most one chunk per step; every
+//! sequence that is decoding advances in one batched step ([`Llama::decode_batch`]).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
+use ridgefill::model::fill::{FillMaps, FillRows};
+use ridgefill::model::llama::{Llama, PREFILL_CHUNK};
+use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::Metrics;
+
+/// How long the idle scheduler waits for a request before checking for shutdown.
+const IDLE_POLL: Duration = Duration::from_millis(50);
+
+/// One generation request, tokenised and checked by the HTTP layer.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// Skip-and-fill prefill for this request (when the server has a fill file).
+    pub fill: bool,
+    pub events: UnboundedSender<Event>,
+    pub received: Instant,
+}
+
+/// What a request's stream receives.
+#[derive(Debug)]
+pub enum Event {
+    /// Newly completed text (never splits a UTF-8 character or a possible stop string).
+    Text(String),
+    Done(Finish),
+    /// The request could not be completed (a model error, or the server shutting down).
+    Failed(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct Finish {
+    /// OpenAI's `finish_reason`: `stop` (EOS or a stop string) or `length`.
+    pub reason: &'static str,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub prefill_ms: f64,
+    pub ttft_ms: f64,
+    /// Whether skip-and-fill ran the prefill.
+    pub filled: bool,
+}
+
+/// The fill the server was started with.
+pub struct Fill {
+    pub maps: FillMaps,
+    pub rows: FillRows,
+}
+
+/// A request holding a slot.
+struct Seq<'t> {
+    job: Job,
+    cache: KvCache,
+    sampler: Sampler,
+    /// Prompt tokens not yet prefilled.
+    prefilled: usize,
+    /// The sampled token that the next decode step feeds (`None` while prefilling).
+    next: Option<u32>,
+    generated: usize,
+    decoder: StreamDecoder<'t>,
+    text: String,
+    /// Bytes of `text` already sent.
+    sent: usize,
+    prefill_ms: f64,
+    ttft_ms: f64,
+    filled: bool,
+    prefill_started: Option<Instant>,
+    /// Set once the sequence is complete (`stop` or `length`).
+    done_reason: Option<&'static str>,
+}
+
+pub struct Engine<'m> {
+    pub model: &'m Llama,
+    pub tokenizer: &'m Tokenizer,
+    pub fill: Option<&'m Fill>,
+    pub parallel: usize,
+    pub metrics: Arc<Metrics>,
+}
+
+impl<'m> Engine<'m> {
+    /// Serves jobs from `queue` until it is closed (or `metrics.shutdown` is set); then fails
+    /// what is still running or queued, so every stream ends.
+    pub fn run(&self, queue: Receiver<Job>) {
+        let eos = self.tokenizer.eos_ids();
+        let mut active: Vec<Seq<'m>> = Vec::new();
+        loop {
+            let stopping = self.metrics.shutdown.load(Ordering::SeqCst);
+            if stopping {
+                for s in active.drain(..) {
+                    let _ = s
+                        .job
+                        .events
+                        .send(Event::Failed("the server is shutting down".into()));
+                }
+                while let Ok(j) = queue.try_recv() {
+                    self.metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                    let _ = j
+                        .events
+                        .send(Event::Failed("the server is shutting down".into()));
+                }
+                return;
+            }
+            // Admit: new requests join between steps.
+            while active.len() < self.parallel {
+                let job = if active.is_empty() {
+                    match queue.recv_timeout(IDLE_POLL) {
+                        Ok(j) => j,
+                        Err(RecvTimeoutError::Timeout) => break,
+                        Err(RecvTimeoutError::Disconnected) => return,
+                    }
+                } else {
+                    match queue.try_recv() {
+                        Ok(j) => j,
+                        Err(_) => break,
+                    }
+                };
+                self.metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                if job.events.is_closed() {
+                    continue;
+                }
+                active.push(self.start(job));
+            }
+            // A client that went away frees its slot at once.
+            active.retain(|s| !s.job.events.is_closed());
+            self.metrics.active.store(active.len(), Ordering::Relaxed);
+            if active.is_empty() {
+                continue;
+            }
+            // One prefill chunk of the oldest sequence still prefilling.
+            if let Some(i) = active.iter().position(|s| s.next.is_none()) {
+                if let Err(e) = self.prefill_chunk(&mut active[i], &eos) {
+                    let s = active.remove(i);
+                    let _ = s.job.events.send(Event::Failed(e.to_string()));
+                } else if active[i].done_reason.is_some() {
+                    let s = active.remove(i);
+                    self.finish(s);
+                }
+            }
+            // One decode step of every sequence past its prefill.
+            let ready: Vec<usize> = (0..active.len())
+                .filter(|&i| active[i].next.is_some())
+                .collect();
+            if ready.is_empty() {
+                continue;
+            }
+            let t0 = Instant::now();
+            let tokens: Vec<u32> = ready.iter().map(|&i| active[i].next.unwrap_or(0)).collect();
+            let result = {
+                let mut caches: Vec<&mut KvCache> = active
+                    .iter_mut()
+                    .filter(|s| s.next.is_some())
+                    .map(|s| &mut s.cache)
+                    .collect();
+                self.model.decode_batch(&tokens, &mut caches)
+            };
+            let logits = match result {
+                Ok(l) => to_host_f32(l),
+                Err(e) => {
+                    for s in active.drain(..) {
+                        let _ = s.job.events.send(Event::Failed(e.to_string()));
+                    }
+                    continue;
+                }
+            };
+            self.metrics.record_decode(ready.len(), t0.elapsed());
+            let vocab = self.model.config.vocab_size;
+            for (row, &i) in ready.iter().enumerate() {
+                let s = &mut active[i];
+                let l = &logits[row * vocab..(row + 1) * vocab];
+                let token = s.sampler.sample(l);
+                s.accept(token, &eos);
+            }
+            // Finished sequences leave; their slots take new requests next round.
+            let mut i = 0;
+            while i < active.len() {
+                if active[i].done_reason.is_some() {
+                    let s = active.remove(i);
+                    self.finish(s);
+                } else {
+                    i += 1;
+                }
+            }
+        }
+    }
+
+    fn start(&self, job: Job) -> Seq<'m> {
+        let capacity = job.prompt.len() + job.max_tokens;
+        let filled = job.fill && self.fill.is_some();
+        Seq {
+            cache: self.model.new_cache(capacity),
+            sampler: Sampler::new(job.sampler.clone()),
+            prefilled: 0,
+            next: None,
+            generated: 0,
+            decoder: self.tokenizer.stream_decoder(true),
+            text: String::new(),
+            sent: 0,
+            prefill_ms: 0.0,
+            ttft_ms: 0.0,
+            filled,
+            prefill_started: None,
+            done_reason: None,
+            job,
+        }
+    }
+
+    /// Prefills the next chunk of `s` (a fill request runs whole: skip-and-fill needs the
+    /// prompt at once); after the last chunk, samples and sends the first token.
+    fn prefill_chunk(&self, s: &mut Seq<'m>, eos: &[u32]) -> anyhow::Result<()> {
+        let started = *s.prefill_started.get_or_insert_with(Instant::now);
+        let n = s.job.prompt.len();
+        let logits = match (s.filled, self.fill) {
+            (true, Some(f)) => {
+                let l = self
+                    .model
+                    .prefill_fill(&s.job.prompt, &mut s.cache, &f.maps, f.rows)?;
+                s.prefilled = n;
+                Some(l)
+            }
+            _ => {
+                let end = (s.prefilled + PREFILL_CHUNK).min(n);
+                let l = self
+                    .model
+                    .prefill(&s.job.prompt[s.prefilled..end], &mut s.cache)?;
+                s.prefilled = end;
+                (end == n).then_some(l)
+            }
+        };
+        let Some(logits) = logits else {
+            return Ok(());
+        };
+        let logits = to_host_f32(logits);
+        if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+            anyhow::bail!(
+                "non-finite logit for token id {i} after the prompt: the model's activations overflowed"
+            );
+        }
+        s.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.metrics.record_prefill(n, started.elapsed());
+        let first = s.sampler.sample(&logits);
+        s.ttft_ms = s.job.received.elapsed().as_secs_f64() * 1e3;
+        self.metrics.record_ttft(s.ttft_ms / 1e3);
+        s.accept(first, eos);
+        Ok(())
+    }
+
+    fn finish(&self, mut s: Seq<'m>) {
+        s.flush_all();
+        let reason = s.done_reason.unwrap_or("stop");
+        self.metrics.record_done(s.job.prompt.len(), s.generated);
+        let _ = s.job.events.send(Event::Done(Finish {
+            reason,
+            prompt_tokens: s.job.prompt.len(),
+            completion_tokens: s.generated,
+            prefill_ms: s.prefill_ms,
+            ttft_ms: s.ttft_ms,
+            filled: s.filled,
+        }));
+    }
+}
+
+impl Seq<'_> {
+    /// Takes the sampled token: ends on EOS, a stop string or `max_tokens`; else streams its
+    /// text and queues it for the next decode step.
+    fn accept(&mut self, token: u32, eos: &[u32]) {
+        if eos.contains(&token) {
+            self.done_reason = Some("stop");
+            return;
+        }
+        self.generated += 1;
+        match self.decoder.push(token) {
+            Ok(Some(piece)) => self.text.push_str(&piece),
+            Ok(None) => {}
+            Err(e) => {
+                let _ = self.job.events.send(Event::Failed(e.to_string()));
+                self.done_reason = Some("stop");
+                return;
+            }
+        }
+        if let Some(at) = self.stop_at() {
+            self.text.truncate(at);
+            self.done_reason = Some("stop");
+            return;
+        }
+        self.flush_safe();
+        if self.generated >= self.job.max_tokens {
+            self.done_reason = Some("length");
+        } else {
+            self.next = Some(token);
+        }
+    }
+
+    /// Where the first stop string starts in the text, searching only where a new one can be.
+    fn stop_at(&self) -> Option<usize> {
+        self.job
+            .stop
+            .iter()
+            .filter_map(|s| {
+                let from = self.sent.saturating_sub(s.len());
+                let from = (from..=self.sent).find(|&i| self.text.is_char_boundary(i))?;
+                self.text[from..].find(s.as_str()).map(|p| from + p)
+            })
+            .min()
+    }
+
+    /// Sends the text that cannot be the start of a stop string.
+    fn flush_safe(&mut self) {
+        let held = self
+            .job
+            .stop
+            .iter()
+            .map(|s| {
+                (1..s.len())
+                    .rev()
+                    .find(|&k| s.is_char_boundary(k) && self.text.ends_with(&s[..k]))
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        let upto = self.text.len() - held;
+        if upto > self.sent {
+            let _ = self
+                .job
+                .events
+                .send(Event::Text(self.text[self.sent..upto].to_string()));
+            self.sent = upto;
+        }
+    }
+
+    fn flush_all(&mut self) {
+        if self.text.len() > self.sent {
+            let _ = self
+                .job
+                .events
+                .send(Event::Text(self.text[self.sent..].to_string()));
+            self.sent = self.text.len();
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Server counters, served as Prometheus text at `/metrics`.
+
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// Upper bounds (seconds) of the time-to-first-token histogram's buckets.
+const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+#[derive(Default)]
+pub struct Metrics {
+    pub requests: AtomicU64,
+    pub rejected: AtomicU64,
+    pub queue_depth: AtomicUsize,
+    pub active: AtomicUsize,
+    pub shutdown: AtomicBool,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    prefill_tokens: u64,
+    prefill_seconds: f64,
+    decode_tokens: u64,
+    decode_seconds: f64,
+    decode_steps: u64,
+    ttft_counts: [u64; TTFT_BUCKETS.len()],
+    ttft_sum: f64,
+    ttft_count: u64,
+}
+
+impl Metrics {
+    fn with(&self, f: impl FnOnce(&mut Inner)) {
+        // A panic elsewhere cannot leave these counters half-updated in a harmful way.
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut g);
+    }
+
+    pub fn record_prefill(&self, tokens: usize, took: Duration) {
+        self.with(|m| {
+            m.prefill_tokens += tokens as u64;
+            m.prefill_seconds += took.as_secs_f64();
+        });
+    }
+
+    /// One batched decode step that produced `tokens` tokens.
+    pub fn record_decode(&self, tokens: usize, took: Duration) {
+        self.with(|m| {
+            m.decode_tokens += tokens as u64;
+            m.decode_seconds += took.as_secs_f64();
+            m.decode_steps += 1;
+        });
+    }
+
+    pub fn record_ttft(&self, seconds: f64) {
+        self.with(|m| {
+            for (c, &b) in m.ttft_counts.iter_mut().zip(&TTFT_BUCKETS) {
+                if seconds <= b {
+                    *c += 1;
+                }
+            }
+            m.ttft_sum += seconds;
+            m.ttft_count += 1;
+        });
+    }
+
+    pub fn record_done(&self, prompt: usize, completion: usize) {
+        self.with(|m| {
+            m.prompt_tokens += prompt as u64;
+            m.completion_tokens += completion as u64;
+        });
+    }
+
+    /// Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let m = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+            let _ = writeln!(out, "# HELP ridgefill_{name} {help}");
+            let _ = writeln!(out, "# TYPE ridgefill_{name} {kind}");
+            let _ = writeln!(out, "ridgefill_{name} {value}");
+        };
+        let rate = |t: u64, s: f64| if s > 0.0 { t as f64 / s } else { 0.0 };
+        metric(
+            "requests_total",
+            "counter",
+            "Requests accepted.",
+            self.requests.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "requests_rejected_total",
+            "counter",
+            "Requests refused because the queue was full.",
+            self.rejected.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens of completed requests.",
+            m.prompt_tokens.to_string(),
+        );
+        metric(
+            "completion_tokens_total",
+            "counter",
+            "Generated tokens of completed requests.",
+            m.completion_tokens.to_string(),
+        );
+        metric(
+            "queue_depth",
+            "gauge",
+            "Requests waiting for a slot.",
+            self.queue_depth.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "prefill_tokens_per_second",
+            "gauge",
+            "Prompt tokens per second of prefill, over the server's life.",
+            format!("{:.3}", rate(m.prefill_tokens, m.prefill_seconds)),
+        );
+        metric(
+            "decode_tokens_per_second",
+            "gauge",
+            "Generated tokens per second of batched decode steps, over the server's life.",
+            format!("{:.3}", rate(m.decode_tokens, m.decode_seconds)),
+        );
+        metric(
+            "decode_steps_total",
+            "counter",
+            "Batched decode steps.",
+            m.decode_steps.to_string(),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ridgefill_ttft_seconds Time from request to first token."
+        );
+        let _ = writeln!(out, "# TYPE ridgefill_ttft_seconds histogram");
+        for (c, b) in m.ttft_counts.iter().zip(TTFT_BUCKETS) {
+            let _ = writeln!(out, "ridgefill_ttft_seconds_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(
+            out,
+            "ridgefill_ttft_seconds_bucket{{le=\"+Inf\"}} {}",
+            m.ttft_count
+        );
+        let _ = writeln!(out, "ridgefill_ttft_seconds_sum {:.6}", m.ttft_sum);
+        let _ = writeln!(out, "ridgefill_ttft_seconds_count {}", m.ttft_count);
+        out
+    }
+}

@@ -1,0 +1,156 @@
+//! `ridgefill serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of the
+//! continuous-batching scheduler in [`engine`].
+
+mod api;
+mod engine;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result};
+
+use super::common::{ModelArgs, load};
+use super::generate::RowArgs;
+use metrics::Metrics;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Skip-and-fill prefill with this fill file (made by `ridgefill fit`); a request turns it
+    /// off with `"fill": false`.
+    #[arg(long)]
+    pub fill: Option<PathBuf>,
+    #[command(flatten)]
+    pub rows: RowArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences decoded together in one batched step.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub parallel: u64,
+    /// Requests waiting for a slot beyond which new ones get 429.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Context per request (prompt + completion); defaults to the model's, capped at 8192.
+    #[arg(short = 'c', long = "ctx")]
+    pub ctx: Option<usize>,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body: usize,
+}
+
+/// Largest default context (the KV cache of each slot is sized per request).
+const DEFAULT_CTX_CAP: usize = 8192;
+
+pub fn run(a: Args) -> Result<()> {
+    let ctx_guess = a.ctx.unwrap_or(DEFAULT_CTX_CAP);
+    let loaded = load(&a.model.load_args(), ctx_guess)?;
+    let cfg = &loaded.model.config;
+    let ctx = a
+        .ctx
+        .unwrap_or_else(|| cfg.max_position_embeddings.clamp(1, DEFAULT_CTX_CAP));
+    let fill = match &a.fill {
+        Some(path) => {
+            let (file, maps) = ridgefill::fillfile::load_maps(path, &loaded.ckpt, &loaded.model)?;
+            let (_, maps, rows) = ridgefill::fillfile::configure(&file, &maps, &a.rows.choice())?;
+            Some(engine::Fill { maps, rows })
+        }
+        None => None,
+    };
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("--host {:?} --port {}: not an address", a.host, a.port))?;
+    let model_id = loaded.ckpt.path.file_stem().map_or_else(
+        || a.model.model.clone(),
+        |s| s.to_string_lossy().into_owned(),
+    );
+    let metrics = Arc::new(Metrics::default());
+    let (queue_tx, queue_rx) = std::sync::mpsc::sync_channel(a.queue);
+    let state = Arc::new(api::AppState {
+        queue: queue_tx,
+        metrics: Arc::clone(&metrics),
+        model_id,
+        tokenizer: loaded.ckpt.tokenizer.clone(),
+        template: loaded.ckpt.chat_template.clone(),
+        ctx,
+        has_fill: fill.is_some(),
+        body_limit: a.max_body,
+        next_id: AtomicU64::new(1),
+    });
+    let parallel = a.parallel as usize;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let bound = listener.local_addr()?;
+    eprintln!(
+        "serve: {} on {} ({}) | {} | parallel {parallel} | ctx {ctx} | listening on http://{bound}",
+        loaded.ckpt.path.display(),
+        loaded.device.backend,
+        loaded.device.adapter,
+        if fill.is_some() {
+            "skip-and-fill"
+        } else {
+            "full prefill"
+        },
+    );
+    std::thread::scope(|scope| -> Result<()> {
+        let engine_metrics = Arc::clone(&metrics);
+        let (model, tokenizer, fill) = (&loaded.model, &loaded.ckpt.tokenizer, fill.as_ref());
+        scope.spawn(move || {
+            engine::Engine {
+                model,
+                tokenizer,
+                fill,
+                parallel,
+                metrics: engine_metrics,
+            }
+            .run(queue_rx)
+        });
+        let app = api::router(state);
+        let shutdown_metrics = Arc::clone(&metrics);
+        let served = rt.block_on(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    shutdown_signal().await;
+                    eprintln!("serve: stopping: in-flight requests are cancelled");
+                    // The scheduler fails what is running, so open streams end and the
+                    // graceful shutdown completes.
+                    shutdown_metrics.shutdown.store(true, Ordering::SeqCst);
+                })
+                .await
+        });
+        metrics.shutdown.store(true, Ordering::SeqCst);
+        served.context("the HTTP server failed")
+    })
+}
+
+/// Ctrl-C, or SIGTERM on Unix.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
