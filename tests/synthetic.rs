@@ -792,3 +792,55 @@ fn batched_decode_equals_each_sequence_alone() {
         assert!(model.decode_batch(&[1], &mut refs).is_err());
     }
 }
+
+/// The stepwise fill prefill a server interleaves with decode steps gives the logits and the
+/// cache of the one-call fill prefill, with spans and without, over a prompt of several chunks.
+#[test]
+fn stepwise_fill_prefill_equals_one_call() {
+    common::init();
+    let n = ridgefill::model::llama::PREFILL_CHUNK + 150;
+    let model = gqa_model(4, true);
+    let ids = prompt(n + 1, model.config.vocab_size);
+    let maps = random_maps(&model, 2, 21);
+    for rows in [spans_rows(16, 0.1, 8), spans_rows(16, 0.0, 0)] {
+        let mut want_cache = model.new_cache(n + 1);
+        let want = to_host_f32(
+            model
+                .prefill_fill(&ids[..n], &mut want_cache, &maps, rows)
+                .unwrap(),
+        );
+        let mut cache = model.new_cache(n + 1);
+        let mut st = model
+            .fill_prefill_start(&ids[..n], &cache, &maps, rows)
+            .unwrap()
+            .expect("the prompt has a bulk");
+        let mut steps = 0;
+        let got = loop {
+            steps += 1;
+            if let Some(l) = model.fill_prefill_step(&mut st, &mut cache, &maps).unwrap() {
+                break to_host_f32(l);
+            }
+        };
+        assert_eq!(
+            steps, 3,
+            "two chunks below the split, then the upper layers"
+        );
+        let d = common::max_abs_diff(&want, &got);
+        assert!(
+            d < 1e-4,
+            "exact {}: stepwise vs one call max |Δ| {d}",
+            rows.exact
+        );
+        let a = to_host_f32(model.decode_step(ids[n], &mut want_cache).unwrap());
+        let b = to_host_f32(model.decode_step(ids[n], &mut cache).unwrap());
+        assert!(common::max_abs_diff(&a, &b) < 1e-4, "decode after it");
+    }
+    // A prompt without a bulk has nothing to step through.
+    let cache = model.new_cache(8);
+    assert!(
+        model
+            .fill_prefill_start(&ids[..8], &cache, &maps, spans_rows(16, 0.0, 0))
+            .unwrap()
+            .is_none()
+    );
+}

@@ -7,7 +7,7 @@ use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData, activation
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
-use crate::llama::{At, Llama};
+use crate::llama::{At, Llama, PREFILL_CHUNK};
 
 /// Filled K/V that a diagnosis run replaces with the full model's (exact ones stay computed).
 pub struct Oracle<'a> {
@@ -418,6 +418,21 @@ impl FillMaps {
     }
 }
 
+/// A skip-and-fill prefill in progress (see [`Llama::fill_prefill_start`]).
+pub struct FillPrefill {
+    /// The prompt's embedded rows.
+    h: Tensor<2>,
+    rows: FillRows,
+    /// First tail row.
+    tail0: usize,
+    /// Rows that have run the layers below the split.
+    done: usize,
+    /// The tail rows entering the scoring layer, per chunk.
+    tail_in: Vec<Tensor<2>>,
+    /// Every row entering the split, per chunk.
+    h_split: Vec<Tensor<2>>,
+}
+
 impl Llama {
     /// Features the fill maps read: `[rmsnorm(h) without its weight, 1]`.
     ///
@@ -633,28 +648,14 @@ impl Llama {
         let mut chosen = Vec::new();
         let h_last = match maps {
             Some(maps) => {
-                // The layer whose attention chooses the spans runs apart, so its input is kept:
-                // the last full-attention layer below the split (a sliding one sees only the
-                // last `window` rows, so it could never point further back).
-                let scored = (0..split)
-                    .rev()
-                    .find(|&l| self.layers[l].window.is_none())
-                    .unwrap_or(split - 1);
+                let scored = self.scoring_layer(split);
                 let h_in = self.forward_layers_chunked(h, 0..scored, cache, 0)?;
                 let h_split = self.forward_layers_chunked(h_in.clone(), scored..split, cache, 0)?;
-                let spans = if rows.span_count(n) > 0 {
-                    let tail = h_in.narrow(0, bulk.end, n - bulk.end);
-                    let scores = self.tail_scores(scored, tail, cache, bulk.end)?;
-                    choose_spans(&scores, bulk.clone(), rows.exact_rows(n), rows.span)
-                } else {
-                    Vec::new()
-                };
-                let exact: Vec<usize> = (0..bulk.start)
-                    .chain(spans.iter().cloned().flatten())
-                    .chain(bulk.end..n)
-                    .collect();
+                let tail_in = h_in.narrow(0, bulk.end, n - bulk.end);
+                let (h_last, spans) =
+                    self.fill_upper(maps, rows, tail_in, h_split, cache, oracle)?;
                 chosen = spans;
-                self.exact_pass(maps, h_split, &exact, bulk.start, cache, oracle)?
+                h_last
             }
             None => {
                 let h = self.forward_layers_chunked(h, 0..split, cache, 0)?;
@@ -673,6 +674,115 @@ impl Llama {
         };
         cache.set_len(n);
         Ok((self.head(h_last).reshape([self.config.vocab_size]), chosen))
+    }
+
+    /// The layer whose attention chooses the spans runs apart, so its input is kept: the last
+    /// full-attention layer below the split (a sliding one sees only the last `window` rows, so
+    /// it could never point further back).
+    fn scoring_layer(&self, split: usize) -> usize {
+        (0..split)
+            .rev()
+            .find(|&l| self.layers[l].window.is_none())
+            .unwrap_or(split - 1)
+    }
+
+    /// Everything of a fill prefill after the layers below the split: the spans the tail rows'
+    /// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
+    /// layers' exact pass and fill. Returns the last row entering the head and the spans.
+    ///
+    /// # Shapes
+    /// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → (`[1, hidden]`, spans)
+    fn fill_upper(
+        &self,
+        maps: &FillMaps,
+        rows: FillRows,
+        tail_in: Tensor<2>,
+        h_split: Tensor<2>,
+        cache: &mut KvCache,
+        oracle: Option<&Oracle>,
+    ) -> Result<(Tensor<2>, Vec<Range<usize>>)> {
+        let n = h_split.dims()[0];
+        let bulk = rows
+            .bulk(n)
+            .ok_or_else(|| ModelError::Invalid("fill_upper: the prompt has no bulk".into()))?;
+        let spans = if rows.span_count(n) > 0 {
+            let scored = self.scoring_layer(maps.split);
+            let scores = self.tail_scores(scored, tail_in, cache, bulk.end)?;
+            choose_spans(&scores, bulk.clone(), rows.exact_rows(n), rows.span)
+        } else {
+            Vec::new()
+        };
+        let exact: Vec<usize> = (0..bulk.start)
+            .chain(spans.iter().cloned().flatten())
+            .chain(bulk.end..n)
+            .collect();
+        let h_last = self.exact_pass(maps, h_split, &exact, bulk.start, cache, oracle)?;
+        Ok((h_last, spans))
+    }
+
+    /// Starts a skip-and-fill prefill that [`Llama::fill_prefill_step`] advances one chunk at a
+    /// time, so a server can run other sequences' decode steps in between. `None` when the
+    /// prompt has no bulk (every row runs every layer: use [`Llama::prefill`]).
+    pub fn fill_prefill_start(
+        &self,
+        tokens: &[u32],
+        cache: &KvCache,
+        maps: &FillMaps,
+        rows: FillRows,
+    ) -> Result<Option<FillPrefill>> {
+        if !cache.is_empty() {
+            return Err(ModelError::Invalid(
+                "skip-and-fill prefill needs an empty cache".into(),
+            ));
+        }
+        self.check_split(maps.split)?;
+        let n = tokens.len();
+        let Some(bulk) = rows.bulk(n) else {
+            return Ok(None);
+        };
+        Ok(Some(FillPrefill {
+            h: self.embed(tokens)?,
+            rows,
+            tail0: bulk.end,
+            done: 0,
+            tail_in: Vec::new(),
+            h_split: Vec::new(),
+        }))
+    }
+
+    /// Runs the next [`PREFILL_CHUNK`] rows of `st` through the layers below the split; after
+    /// the last chunk, the upper layers' exact pass and fill, returning the last-position
+    /// logits. The same result as [`Llama::prefill_fill`].
+    ///
+    /// # Shapes
+    /// - → `None` until the last step, then `[vocab]`
+    pub fn fill_prefill_step(
+        &self,
+        st: &mut FillPrefill,
+        cache: &mut KvCache,
+        maps: &FillMaps,
+    ) -> Result<Option<Tensor<1>>> {
+        let n = st.h.dims()[0];
+        let scored = self.scoring_layer(maps.split);
+        if st.done < n {
+            let (r0, r1) = (st.done, (st.done + PREFILL_CHUNK).min(n));
+            let h = st.h.clone().narrow(0, r0, r1 - r0);
+            let h_in = self.forward_layers(h, 0..scored, cache, r0)?;
+            if r1 > st.tail0 {
+                let from = st.tail0.max(r0);
+                st.tail_in
+                    .push(h_in.clone().narrow(0, from - r0, r1 - from));
+            }
+            st.h_split
+                .push(self.forward_layers(h_in, scored..maps.split, cache, r0)?);
+            st.done = r1;
+            return Ok(None);
+        }
+        let tail_in = Tensor::cat(std::mem::take(&mut st.tail_in), 0);
+        let h_split = Tensor::cat(std::mem::take(&mut st.h_split), 0);
+        let (h_last, _) = self.fill_upper(maps, st.rows, tail_in, h_split, cache, None)?;
+        cache.set_len(n);
+        Ok(Some(self.head(h_last).reshape([self.config.vocab_size])))
     }
 
     /// Attention the `tail` rows (at positions `tail0..`) give every cached position of layer

@@ -170,6 +170,7 @@ struct Params {
     stop: Vec<String>,
     stream: bool,
     fill: bool,
+    ignore_eos: bool,
 }
 
 fn params(o: &serde_json::Map<String, Value>, st: &AppState) -> Result<Params, ApiError> {
@@ -282,6 +283,8 @@ fn params(o: &serde_json::Map<String, Value>, st: &AppState) -> Result<Params, A
         stop,
         stream: boolean("stream")?.unwrap_or(false),
         fill,
+        // llama-server's extension: generate max_tokens tokens (benchmarks).
+        ignore_eos: boolean("ignore_eos")?.unwrap_or(false),
     })
 }
 
@@ -425,6 +428,7 @@ async fn submit(
         sampler: p.sampler,
         stop: p.stop,
         fill: p.fill,
+        ignore_eos: p.ignore_eos,
         events: tx,
         received: Instant::now(),
     };

@@ -1,6 +1,7 @@
 //! The scheduler: one thread owns the model and runs continuous batching over up to `parallel`
 //! sequences. Between decode steps it admits queued requests and prefills one chunk of one
-//! prompt, so a long prompt delays the running streams by at most one chunk per step; every
+//! prompt (skip-and-fill too), so a long prompt delays the running streams by at most one chunk
+//! per step; every
 //! sequence that is decoding advances in one batched step ([`Llama::decode_batch`]).
 
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
-use ridgefill::model::fill::{FillMaps, FillRows};
+use ridgefill::model::fill::{FillMaps, FillPrefill, FillRows};
 use ridgefill::model::llama::{Llama, PREFILL_CHUNK};
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
 use tokio::sync::mpsc::UnboundedSender;
@@ -27,6 +28,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Skip-and-fill prefill for this request (when the server has a fill file).
     pub fill: bool,
+    /// Generate `max_tokens` even past EOS (benchmarks).
+    pub ignore_eos: bool,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -79,6 +82,8 @@ struct Seq<'t> {
     prefill_started: Option<Instant>,
     /// Set once the sequence is complete (`stop` or `length`).
     done_reason: Option<&'static str>,
+    /// A skip-and-fill prefill in progress.
+    fill_state: Option<FillPrefill>,
 }
 
 pub struct Engine<'m> {
@@ -212,22 +217,31 @@ impl<'m> Engine<'m> {
             filled,
             prefill_started: None,
             done_reason: None,
+            fill_state: None,
             job,
         }
     }
 
-    /// Prefills the next chunk of `s` (a fill request runs whole: skip-and-fill needs the
-    /// prompt at once); after the last chunk, samples and sends the first token.
+    /// Prefills the next chunk of `s` (under skip-and-fill, a chunk of the layers below the
+    /// split, then the upper layers' pass); after the last, samples and sends the first token.
     fn prefill_chunk(&self, s: &mut Seq<'m>, eos: &[u32]) -> anyhow::Result<()> {
         let started = *s.prefill_started.get_or_insert_with(Instant::now);
         let n = s.job.prompt.len();
-        let logits = match (s.filled, self.fill) {
-            (true, Some(f)) => {
-                let l = self
-                    .model
-                    .prefill_fill(&s.job.prompt, &mut s.cache, &f.maps, f.rows)?;
-                s.prefilled = n;
-                Some(l)
+        if let (true, Some(f), None) = (s.filled, self.fill, &s.fill_state) {
+            s.fill_state =
+                self.model
+                    .fill_prefill_start(&s.job.prompt, &s.cache, &f.maps, f.rows)?;
+            // Too short to have a bulk: every row runs every layer, as full prefill.
+            s.filled = s.fill_state.is_some();
+        }
+        let logits = match (&mut s.fill_state, self.fill) {
+            (Some(st), Some(f)) => {
+                let l = self.model.fill_prefill_step(st, &mut s.cache, &f.maps)?;
+                if l.is_some() {
+                    s.prefilled = n;
+                    s.fill_state = None;
+                }
+                l
             }
             _ => {
                 let end = (s.prefilled + PREFILL_CHUNK).min(n);
@@ -275,7 +289,7 @@ impl Seq<'_> {
     /// Takes the sampled token: ends on EOS, a stop string or `max_tokens`; else streams its
     /// text and queues it for the next decode step.
     fn accept(&mut self, token: u32, eos: &[u32]) {
-        if eos.contains(&token) {
+        if eos.contains(&token) && !self.job.ignore_eos {
             self.done_reason = Some("stop");
             return;
         }
