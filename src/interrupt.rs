@@ -59,3 +59,9 @@ pub fn check() -> Result<(), Interrupted> {
         Ok(())
     }
 }
+
+/// Forgets earlier presses: an interactive command that stopped one step on Ctrl-C goes on, and
+/// the next press again asks it to stop rather than quitting.
+pub fn reset() {
+    PRESSES.store(0, Ordering::SeqCst);
+}

@@ -37,6 +37,8 @@ enum Command {
     Parity(commands::parity::Args),
     /// Describe a model: architecture, shapes, dtypes, tokenizer, chat template.
     Info(commands::info::Args),
+    /// Interactive chat in the terminal with the model's chat template, streaming replies.
+    Chat(commands::chat::Args),
     /// OpenAI-compatible HTTP server with continuous batching (chat and text completions).
     Serve(commands::serve::Args),
 }
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
         Command::Probe(a) => commands::probe::run(a),
         Command::Parity(a) => commands::parity::run(a),
         Command::Serve(a) => commands::serve::run(a),
+        Command::Chat(a) => commands::chat::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

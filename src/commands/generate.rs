@@ -32,6 +32,24 @@ pub struct Args {
     /// its `right` (keep the start) instead of failing.
     #[arg(long, value_parser = ["left", "right"])]
     pub truncate: Option<String>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat.
+    #[arg(long = "system", requires = "chat")]
+    pub system: Option<String>,
+    /// Prefill with skip-and-fill using this fill file (made by `ridgefill fit`).
+    #[arg(long)]
+    pub fill: Option<PathBuf>,
+    #[command(flatten)]
+    pub rows: RowArgs,
+}
+
+/// How tokens are sampled (llama.cpp's flags and defaults).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SamplingArgs {
     /// Sampling temperature; 0 = greedy.
     #[arg(long = "temp", default_value_t = 0.8)]
     pub temp: f32,
@@ -44,17 +62,18 @@ pub struct Args {
     /// RNG seed.
     #[arg(short = 's', long = "seed", default_value_t = 42)]
     pub seed: u64,
-    /// Wrap the prompt in the model's chat template as a user message.
-    #[arg(long)]
-    pub chat: bool,
-    /// System message for --chat.
-    #[arg(long = "system", requires = "chat")]
-    pub system: Option<String>,
-    /// Prefill with skip-and-fill using this fill file (made by `ridgefill fit`).
-    #[arg(long)]
-    pub fill: Option<PathBuf>,
-    #[command(flatten)]
-    pub rows: RowArgs,
+}
+
+impl SamplingArgs {
+    pub fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+        }
+    }
 }
 
 /// Which prompt rows run every layer under skip-and-fill, and how the fill file is applied.
@@ -166,7 +185,7 @@ pub enum PromptError {
 }
 
 /// Errors unless every logit is finite; `position` is the sequence position they predict from.
-fn check_logits(logits: &[f32], position: usize) -> Result<(), PromptError> {
+pub fn check_logits(logits: &[f32], position: usize) -> Result<(), PromptError> {
     match logits.iter().position(|x| !x.is_finite()) {
         Some(token) => Err(PromptError::NonFiniteLogits {
             position,
@@ -260,13 +279,7 @@ pub fn run(a: Args) -> Result<()> {
         None => None,
     };
     let mut cache = model.new_cache(ids.len() + a.n_predict);
-    let mut sampler = Sampler::new(SamplerConfig {
-        temperature: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        seed: a.seed,
-    });
+    let mut sampler = Sampler::new(a.sampling.config());
     let eos = tok.eos_ids();
     let mut stream = tok.stream_decoder(true);
     let mut out = std::io::stdout().lock();

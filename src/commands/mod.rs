@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod chat;
 pub mod common;
 pub mod eval;
 pub mod fetch;

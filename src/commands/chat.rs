@@ -1,0 +1,160 @@
+//! `ridgefill chat`: an interactive terminal chat with the model's own template. Replies stream
+//! to stdout; Ctrl-C stops a reply and returns to the prompt (a second press quits); `/reset`
+//! clears the history, `/exit` or end of input leaves.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use ridgefill::interrupt;
+use ridgefill::io::chat::ChatMessage;
+use ridgefill::model::{Sampler, to_host_f32};
+
+use super::common::{ModelArgs, load};
+use super::generate::{RowArgs, SamplingArgs, check_logits};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// System message at the start of the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per reply.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
+    pub n_predict: usize,
+    /// Context (the whole conversation plus a reply); defaults to the model's, capped at 4096.
+    /// The oldest turns are dropped when it fills.
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx_size: Option<usize>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Prefill each turn with skip-and-fill using this fill file.
+    #[arg(long)]
+    pub fill: Option<PathBuf>,
+    #[command(flatten)]
+    pub rows: RowArgs,
+}
+
+/// Largest default context.
+const DEFAULT_CTX_CAP: usize = 4096;
+
+pub fn run(a: Args) -> Result<()> {
+    let ctx_guess = a.ctx_size.unwrap_or(DEFAULT_CTX_CAP);
+    let loaded = load(&a.model.load_args(), ctx_guess)?;
+    let ctx = a.ctx_size.unwrap_or_else(|| {
+        loaded
+            .model
+            .config
+            .max_position_embeddings
+            .clamp(1, DEFAULT_CTX_CAP)
+    });
+    if a.n_predict >= ctx {
+        bail!(
+            "-n {} leaves no room for the conversation in a context of {ctx}",
+            a.n_predict
+        );
+    }
+    let Some(tmpl) = loaded.ckpt.chat_template.as_ref() else {
+        bail!(
+            "{}: chat needs a chat template, and this model has none",
+            loaded.ckpt.path.display()
+        );
+    };
+    let model = &loaded.model;
+    let tok = &loaded.ckpt.tokenizer;
+    let fill = match &a.fill {
+        Some(path) => {
+            let (file, maps) = ridgefill::fillfile::load_maps(path, &loaded.ckpt, model)?;
+            let (_, maps, rows) = ridgefill::fillfile::configure(&file, &maps, &a.rows.choice())?;
+            Some((maps, rows))
+        }
+        None => None,
+    };
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!(
+            "chat: {} | /reset clears the history, /exit or Ctrl-D leaves, Ctrl-C stops a reply",
+            loaded.ckpt.path.display()
+        );
+    }
+    let eos = tok.eos_ids();
+    let mut sampler = Sampler::new(a.sampling.config());
+    let mut history: Vec<ChatMessage> = a
+        .system
+        .iter()
+        .map(|s| ChatMessage::new("system", s))
+        .collect();
+    let keep = history.len();
+    let mut out = std::io::stdout().lock();
+    let mut lines = std::io::stdin().lock().lines();
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line?;
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                history.truncate(keep);
+                continue;
+            }
+            _ => {}
+        }
+        // A Ctrl-C pressed at the prompt should not cut the coming reply short.
+        interrupt::reset();
+        history.push(ChatMessage::new("user", line));
+        // Drop the oldest turns (never the system message or this one) until the reply fits.
+        let ids = loop {
+            let ids = tok.encode(&tmpl.render(&history, true)?, false)?;
+            if ids.len() + a.n_predict <= ctx {
+                break ids;
+            }
+            if history.len() <= keep + 1 {
+                history.pop();
+                bail!(
+                    "the message is {} tokens: more than the context of {ctx} holds with -n {}",
+                    ids.len(),
+                    a.n_predict
+                );
+            }
+            history.remove(keep);
+        };
+        // The whole conversation is prefilled afresh each turn (skip-and-fill needs an empty
+        // cache, and makes that cheap).
+        let mut cache = model.new_cache(ids.len() + a.n_predict);
+        let logits = match &fill {
+            Some((maps, rows)) => model.prefill_fill(&ids, &mut cache, maps, *rows)?,
+            None => model.prefill(&ids, &mut cache)?,
+        };
+        let mut logits = to_host_f32(logits);
+        let mut stream = tok.stream_decoder(true);
+        let mut reply = String::new();
+        for step in 0..a.n_predict {
+            check_logits(&logits, ids.len() + step - 1)?;
+            let next = sampler.sample(&logits);
+            if eos.contains(&next) {
+                break;
+            }
+            if let Some(piece) = stream.push(next)? {
+                out.write_all(piece.as_bytes())?;
+                out.flush()?;
+                reply.push_str(&piece);
+            }
+            if interrupt::requested() {
+                interrupt::reset();
+                break;
+            }
+            if step + 1 < a.n_predict {
+                logits = to_host_f32(model.decode_step(next, &mut cache)?);
+            }
+        }
+        writeln!(out)?;
+        out.flush()?;
+        history.push(ChatMessage::new("assistant", reply));
+    }
+    Ok(())
+}
