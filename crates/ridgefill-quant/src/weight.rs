@@ -9,7 +9,7 @@ use ridgefill_io::{GgmlType, GgufFile};
 
 use crate::act::{Q8Buf, Q8KBuf};
 use crate::bytes::WeightBytes;
-use crate::kernels::{ActKind, XRow, act_kind, gemv_rows};
+use crate::kernels::{ActKind, XRow, act_kind, gemv_rows, gemv_rows_multi};
 use crate::pool::Pool;
 use crate::simd::SimdLevel;
 
@@ -253,6 +253,8 @@ const CHUNK_MAX_WEIGHTS: usize = 1 << 18;
 const ROW_ALIGN: usize = 16;
 /// Weight rows kept hot in L1 while every activation row passes over them (integer path, m > 1).
 const ROW_TILE: usize = 16;
+/// Activation rows the integer path runs against each weight tile at once (m > 1).
+const ACT_GROUP: usize = 4;
 /// Rows per chunk of the dequantise + GEMM path (the f32 scratch is this × cols floats).
 const GEMM_CHUNK_ROWS: usize = 64;
 
@@ -508,16 +510,21 @@ impl QWeight {
                 while t0 < r1 {
                     let t1 = (t0 + tile).min(r1);
                     let w = &p.raw()[t0 * p.row_bytes..t1 * p.row_bytes];
-                    for i in 0..m {
-                        // SAFETY: y has m·rows_total values (checked by matmul_with); this chunk
-                        // alone writes columns start+t0..start+t1 of y's rows.
-                        let o = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                out.at(i * rows_total + start + t0),
-                                t1 - t0,
-                            )
-                        };
-                        gemv_rows(level, p.ty, w, p.row_bytes, xrow(i), o);
+                    // SAFETY: y has m·rows_total values (checked by matmul_with); this chunk
+                    // alone writes columns start+t0..start+t1 of y's rows.
+                    let o = |i: usize| unsafe {
+                        std::slice::from_raw_parts_mut(out.at(i * rows_total + start + t0), t1 - t0)
+                    };
+                    let mut i = 0;
+                    // Activation rows in groups: each weight block is unpacked once per group.
+                    while i + ACT_GROUP <= m {
+                        let xs: [XRow<'_>; ACT_GROUP] = std::array::from_fn(|k| xrow(i + k));
+                        let os: [&mut [f32]; ACT_GROUP] = std::array::from_fn(|k| o(i + k));
+                        gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
+                        i += ACT_GROUP;
+                    }
+                    for i in i..m {
+                        gemv_rows(level, p.ty, w, p.row_bytes, xrow(i), o(i));
                     }
                     t0 = t1;
                 }

@@ -77,7 +77,8 @@ fn every_format_on_random_blocks() {
         for extreme in [false, true] {
             // 37 rows: nine 4-row passes and a remainder row.
             let w = stacked(&mut rng, &[ty], &[37], cols, extreme);
-            for m in [1, 3, 17, 64] {
+            // 6 and 17: groups of four activation rows plus single rows on the integer path.
+            for m in [1, 3, 6, 17, 64] {
                 let x = random_x(&mut rng, m, cols, extreme);
                 check(&format!("{ty} extreme={extreme}"), &w, &x, m);
             }
@@ -97,7 +98,7 @@ fn stacked_parts_of_different_types() {
     for types in cases {
         let rows: Vec<usize> = (0..types.len()).map(|i| 5 + 7 * i).collect();
         let w = stacked(&mut rng, types, &rows, 512, false);
-        for m in [1, 3, 17] {
+        for m in [1, 3, 6, 17] {
             let x = random_x(&mut rng, m, 512, false);
             check(&format!("{types:?}"), &w, &x, m);
         }

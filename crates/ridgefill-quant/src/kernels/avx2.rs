@@ -161,25 +161,28 @@ unsafe fn halves8<const R: usize>(blocks: &[*const u8; 4], b1: Option<usize>, at
 /// converted together, one lane per row and block.
 macro_rules! legacy_kernel {
     ($name:ident, $ty:expr, $offset:expr, $pair:expr, |$p:ident, $x:ident| $one:block) => {
+        /// `R` weight rows against `A` activation rows: each block's weights are unpacked once
+        /// and meet every activation row (a batch costs far less than `A` separate GEMVs).
+        ///
         /// # Safety
-        /// AVX2/FMA/F16C present; `R` rows of `row_bytes` readable at `w`, matching `x`; `out`
-        /// has room for `R` values; `R ≤ 4`.
+        /// AVX2/FMA/F16C present; `R` rows of `row_bytes` readable at `w`, matching every row of
+        /// `xs`; each `outs[a]` has room for `R` values; `R ≤ 4`.
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $name<const R: usize>(
+        unsafe fn $name<const R: usize, const A: usize>(
             w: *const u8,
             row_bytes: usize,
-            x: Q8Row<'_>,
-            out: *mut f32,
+            xs: &[Q8Row<'_>; A],
+            outs: &[*mut f32; A],
         ) {
-            const { assert!(R >= 1 && R <= 4) };
+            const { assert!(R >= 1 && R <= 4 && A >= 1) };
             let ts = $ty.type_size();
             let offset: Offset = $offset;
             let pair: Option<unsafe fn(*const u8, *const u8) -> (__m256i, __m256i)> = $pair;
             let dist = prefetch_distance(R, row_bytes);
-            let nb = x.d.len();
-            let mut acc = [_mm256_setzero_ps(); R];
-            // Lane r (and r + 4 on the paired path) holds row r's offset term.
-            let mut corr = _mm256_setzero_ps();
+            let nb = xs[0].d.len();
+            let mut acc = [[_mm256_setzero_ps(); R]; A];
+            // Lane r (and r + 4 on the paired path) holds row r's offset term, per activation row.
+            let mut corr = [_mm256_setzero_ps(); A];
             let rows: [*const u8; 4] = std::array::from_fn(|r| w.wrapping_add(r * row_bytes));
             let corr_step = |corr: __m256,
                              blocks: &[*const u8; 4],
@@ -201,68 +204,77 @@ macro_rules! legacy_kernel {
             if let Some(pair) = pair {
                 let ones = _mm256_set1_epi16(1);
                 while b + 2 <= nb {
-                    // SAFETY: blocks b, b+1 of x and of every row are in bounds.
+                    // SAFETY: blocks b, b+1 of every x and of every row are in bounds.
                     unsafe {
-                        let xl = load(x.pairs.as_ptr().add(b * QK) as *const u8);
-                        let xh = load(x.pairs.as_ptr().add(b * QK + 32) as *const u8);
-                        let d = x.d.as_ptr().add(b);
-                        let s = x.s.as_ptr().add(b);
-                        let dx = _mm256_set_m128(_mm_set1_ps(*d.add(1)), _mm_set1_ps(*d));
-                        let sx = _mm256_set_m128(_mm_set1_ps(*s.add(1)), _mm_set1_ps(*s));
                         let blocks: [*const u8; 4] =
                             std::array::from_fn(|r| rows[r].wrapping_add(b * ts));
                         let d8 = halves8::<R>(&blocks, Some(ts), 0);
-                        corr = corr_step(corr, &blocks, Some(ts), d8, sx);
-                        let dd = _mm256_mul_ps(d8, dx);
+                        let mut dd = [_mm256_setzero_ps(); A];
+                        for a in 0..A {
+                            let d = xs[a].d.as_ptr().add(b);
+                            let s = xs[a].s.as_ptr().add(b);
+                            let dx = _mm256_set_m128(_mm_set1_ps(*d.add(1)), _mm_set1_ps(*d));
+                            let sx = _mm256_set_m128(_mm_set1_ps(*s.add(1)), _mm_set1_ps(*s));
+                            corr[a] = corr_step(corr[a], &blocks, Some(ts), d8, sx);
+                            dd[a] = _mm256_mul_ps(d8, dx);
+                        }
                         for r in 0..R {
                             let p = blocks[r];
                             // A pair is at most 48 bytes, so one line per pair covers the row.
                             prefetch(p, dist);
                             let (lo, hi) = pair(p, p.add(ts));
-                            let p16 = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo, xl),
-                                _mm256_maddubs_epi16(hi, xh),
-                            );
-                            let dot = _mm256_madd_epi16(p16, ones);
-                            let r = r as i32;
-                            let scale = _mm256_permutevar8x32_ps(
-                                dd,
-                                _mm256_setr_epi32(r, r, r, r, r + 4, r + 4, r + 4, r + 4),
-                            );
-                            acc[r as usize] =
-                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r as usize]);
+                            let ri = r as i32;
+                            let lanes =
+                                _mm256_setr_epi32(ri, ri, ri, ri, ri + 4, ri + 4, ri + 4, ri + 4);
+                            for a in 0..A {
+                                let xp = xs[a].pairs.as_ptr().add(b * QK) as *const u8;
+                                let p16 = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo, load(xp)),
+                                    _mm256_maddubs_epi16(hi, load(xp.add(32))),
+                                );
+                                let dot = _mm256_madd_epi16(p16, ones);
+                                let scale = _mm256_permutevar8x32_ps(dd[a], lanes);
+                                acc[a][r] =
+                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[a][r]);
+                            }
                         }
                     }
                     b += 2;
                 }
             }
             while b < nb {
-                // SAFETY: block b of x and of every row is in bounds (caller's contract).
+                // SAFETY: block b of every x and of every row is in bounds (caller's contract).
                 unsafe {
-                    let $x = load(x.qs.as_ptr().add(b * QK) as *const u8);
-                    let dx = _mm256_set1_ps(*x.d.get_unchecked(b));
-                    let sx = _mm256_set1_ps(*x.s.get_unchecked(b));
                     let blocks: [*const u8; 4] =
                         std::array::from_fn(|r| rows[r].wrapping_add(b * ts));
                     let d8 = halves8::<R>(&blocks, None, 0);
-                    corr = corr_step(corr, &blocks, None, d8, sx);
-                    let dd = _mm256_mul_ps(d8, dx);
-                    for r in 0..R {
-                        let $p = blocks[r];
-                        prefetch($p, dist);
-                        let dot: __m256i = $one;
-                        let scale = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(r as i32));
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+                    for a in 0..A {
+                        let $x = load(xs[a].qs.as_ptr().add(b * QK) as *const u8);
+                        let dx = _mm256_set1_ps(*xs[a].d.get_unchecked(b));
+                        let sx = _mm256_set1_ps(*xs[a].s.get_unchecked(b));
+                        corr[a] = corr_step(corr[a], &blocks, None, d8, sx);
+                        let dd = _mm256_mul_ps(d8, dx);
+                        for r in 0..R {
+                            let $p = blocks[r];
+                            if a == 0 {
+                                prefetch($p, dist);
+                            }
+                            let dot: __m256i = $one;
+                            let scale = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(r as i32));
+                            acc[a][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[a][r]);
+                        }
                     }
                 }
                 b += 1;
             }
-            let mut c = [0f32; 8];
-            // SAFETY: c has eight floats.
-            unsafe { _mm256_storeu_ps(c.as_mut_ptr(), corr) };
-            for r in 0..R {
-                // SAFETY: out has room for R values.
-                unsafe { *out.add(r) = hsum_ps(acc[r]) + (c[r] + c[r + 4]) };
+            for a in 0..A {
+                let mut c = [0f32; 8];
+                // SAFETY: c has eight floats.
+                unsafe { _mm256_storeu_ps(c.as_mut_ptr(), corr[a]) };
+                for r in 0..R {
+                    // SAFETY: outs[a] has room for R values.
+                    unsafe { *outs[a].add(r) = hsum_ps(acc[a][r]) + (c[r] + c[r + 4]) };
+                }
             }
         }
     };
@@ -619,16 +631,70 @@ unsafe fn rows<const R: usize>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match (ty, x) {
-            (GgmlType::Q4_0, XRow::Q8(x)) => q4_0::<R>(w, row_bytes, *x, out),
-            (GgmlType::Q4_1, XRow::Q8(x)) => q4_1::<R>(w, row_bytes, *x, out),
-            (GgmlType::Q5_0, XRow::Q8(x)) => q5_0::<R>(w, row_bytes, *x, out),
-            (GgmlType::Q5_1, XRow::Q8(x)) => q5_1::<R>(w, row_bytes, *x, out),
-            (GgmlType::Q8_0, XRow::Q8(x)) => q8_0::<R>(w, row_bytes, *x, out),
+            (
+                GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0,
+                XRow::Q8(x),
+            ) => legacy::<R, 1>(ty, w, row_bytes, &[*x], &[out]),
             (GgmlType::Q4_K, XRow::Q8K(x)) => q45_k::<R, false>(w, row_bytes, *x, out),
             (GgmlType::Q5_K, XRow::Q8K(x)) => q45_k::<R, true>(w, row_bytes, *x, out),
             (GgmlType::Q6_K, XRow::Q8K(x)) => q6_k::<R>(w, row_bytes, *x, out),
             (_, XRow::F32(x)) => float_rows::<R>(ty, w, row_bytes, x, out),
             _ => unreachable!("avx2::rows: {ty} with the wrong activation kind"),
+        }
+    }
+}
+
+/// The legacy-format kernel of `ty` over `R` weight rows and `A` activation rows.
+///
+/// # Safety
+/// As for the kernels; `ty` is one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy<const R: usize, const A: usize>(
+    ty: GgmlType,
+    w: *const u8,
+    row_bytes: usize,
+    xs: &[Q8Row<'_>; A],
+    outs: &[*mut f32; A],
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ty {
+            GgmlType::Q4_0 => q4_0::<R, A>(w, row_bytes, xs, outs),
+            GgmlType::Q4_1 => q4_1::<R, A>(w, row_bytes, xs, outs),
+            GgmlType::Q5_0 => q5_0::<R, A>(w, row_bytes, xs, outs),
+            GgmlType::Q5_1 => q5_1::<R, A>(w, row_bytes, xs, outs),
+            GgmlType::Q8_0 => q8_0::<R, A>(w, row_bytes, xs, outs),
+            _ => unreachable!("avx2::legacy: {ty} is not a 32-element legacy type"),
+        }
+    }
+}
+
+/// [`gemv_rows`] for `A` activation rows at once (legacy formats): `outs[a][r] = W[r]·xs[a]`.
+///
+/// # Safety
+/// As for [`gemv_rows`], for every activation row; every `outs[a]` has the same length.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemv_rows_multi<const A: usize>(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    xs: &[Q8Row<'_>; A],
+    outs: &mut [&mut [f32]; A],
+) {
+    let n = outs[0].len();
+    let mut r = 0;
+    // SAFETY: rows r..r+ROWS (or r) are inside w and every outs[a].
+    unsafe {
+        while r + ROWS <= n {
+            let o: [*mut f32; A] = std::array::from_fn(|a| outs[a].as_mut_ptr().add(r));
+            legacy::<ROWS, A>(ty, w.as_ptr().add(r * row_bytes), row_bytes, xs, &o);
+            r += ROWS;
+        }
+        while r < n {
+            let o: [*mut f32; A] = std::array::from_fn(|a| outs[a].as_mut_ptr().add(r));
+            legacy::<1, A>(ty, w.as_ptr().add(r * row_bytes), row_bytes, xs, &o);
+            r += 1;
         }
     }
 }

@@ -89,6 +89,49 @@ pub(crate) fn gemv_rows(
     scalar::gemv_rows(ty, w, row_bytes, x, out);
 }
 
+/// [`gemv_rows`] for `A` activation rows: `outs[a][r] = Σ_k W[r, k]·xs[a][k]`. The legacy
+/// formats on AVX2 unpack each weight block once for all `A` rows; other types and levels run
+/// one GEMV per row.
+pub(crate) fn gemv_rows_multi<const A: usize>(
+    level: SimdLevel,
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    xs: [XRow<'_>; A],
+    mut outs: [&mut [f32]; A],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx2 && act_kind(ty) == Some(ActKind::Q8) {
+        let q8: Option<[Q8Row<'_>; A]> = xs
+            .iter()
+            .map(|x| match x {
+                XRow::Q8(x) => Some(*x),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .and_then(|v| v.try_into().ok());
+        let n = outs[0].len();
+        let cols = xs[0].cols();
+        if let Some(q8) = q8 {
+            assert!(
+                xs.iter().all(|x| x.cols() == cols && consistent(x))
+                    && outs.iter().all(|o| o.len() == n)
+                    && cols.is_multiple_of(ty.block_size())
+                    && cols / ty.block_size() * ty.type_size() == row_bytes
+                    && w.len() >= n * row_bytes,
+                "gemv_rows_multi: {ty} rows of {row_bytes} bytes do not match the activation rows"
+            );
+            // SAFETY: Avx2 is only used when the CPU has it (checked by every caller); sizes
+            // were checked just above.
+            unsafe { avx2::gemv_rows_multi(ty, w, row_bytes, &q8, &mut outs) };
+            return;
+        }
+    }
+    for (x, out) in xs.into_iter().zip(outs) {
+        gemv_rows(level, ty, w, row_bytes, x, out);
+    }
+}
+
 /// Whether an activation row's scale and sum arrays match its length.
 fn consistent(x: &XRow<'_>) -> bool {
     use crate::act::{KSUM, QK, QK_K};
