@@ -351,3 +351,43 @@ fn bench_with_a_fitted_fill_file() {
         "{stderr}"
     );
 }
+
+/// `-b` adds batched decode rows: aggregate t/s of several sequences decoded in one step each,
+/// with the KV bytes of all of them, next to the single-sequence row.
+#[test]
+fn bench_batch_rows_report_aggregate_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (ok, stdout, stderr) = ridgefill(&[
+        "bench",
+        "-m",
+        &model,
+        "--device",
+        "cpu",
+        "-p",
+        "0",
+        "-n",
+        "3",
+        "-d",
+        "8",
+        "-b",
+        "1,3",
+        "-r",
+        "1",
+        "--no-probe",
+        "-o",
+        "jsonl",
+    ]);
+    assert!(ok, "{stderr}");
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tests: Vec<&str> = rows.iter().map(|r| r["test"].as_str().unwrap()).collect();
+    assert_eq!(tests, ["tg3 @ d8", "tg3 @ d8 x b3"]);
+    for r in &rows {
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let kv = |i: usize| rows[i]["kv_bytes"].as_u64().unwrap();
+    assert_eq!(kv(1), 3 * kv(0), "a batch row holds every sequence's cache");
+}

@@ -66,6 +66,16 @@ pub struct Args {
     /// Generated tokens (decode test `tgN`); 0 skips it.
     #[arg(short = 'n', long = "n-gen", default_value_t = 32)]
     pub n_gen: usize,
+    /// Sequences decoded together in the decode test (one batched step each, like
+    /// llama-batched-bench), comma-separated: `tgN @ dD x bB` rows give the aggregate t/s of B
+    /// sequences, each over its own D-token context.
+    #[arg(
+        short = 'b',
+        long = "batch",
+        value_delimiter = ',',
+        default_value = "1"
+    )]
+    pub batch: Vec<usize>,
     /// Context prefilled (by the row's mode) before the decode test, as llama-bench's `-d`:
     /// fill mode decodes over a cache whose upper layers hold predicted K/V.
     #[arg(short = 'd', long = "n-depth", default_value_t = 512)]
@@ -230,6 +240,41 @@ impl Runner<'_> {
         let ids = self.ids(n);
         let t = Instant::now();
         self.prefill(&ids, maps, rows)?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Seconds for `n_gen` batched greedy decode steps of `batch` sequences, each after an
+    /// untimed prefill of its own `depth` tokens.
+    fn time_tg_batch(
+        &mut self,
+        depth: usize,
+        n_gen: usize,
+        batch: usize,
+        maps: Option<&FillMaps>,
+        rows: FillRows,
+    ) -> Result<f64> {
+        if batch == 1 {
+            return self.time_tg(depth, n_gen, maps, rows);
+        }
+        let mut caches = Vec::with_capacity(batch);
+        let mut next = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            let ids = self.ids(depth.max(1));
+            next.push(self.prefill(&ids, maps, rows)?);
+            caches.push(std::mem::replace(
+                &mut self.cache,
+                self.model.new_cache(depth.max(1) + n_gen),
+            ));
+        }
+        let vocab = self.model.config.vocab_size;
+        let t = Instant::now();
+        for _ in 0..n_gen {
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            let logits = to_host_f32(self.model.decode_batch(&next, &mut refs)?);
+            for (i, n) in next.iter_mut().enumerate() {
+                *n = sample::argmax(&logits[i * vocab..(i + 1) * vocab]);
+            }
+        }
         Ok(t.elapsed().as_secs_f64())
     }
 
@@ -550,16 +595,17 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
             |n| model.kv_bytes(n),
         ));
     }
-    if a.n_gen > 0 {
-        eprintln!("bench: {backend} tg{} @ d{}", a.n_gen, a.n_depth);
+    for &batch in a.batch.iter().filter(|_| a.n_gen > 0) {
+        eprintln!("bench: {backend} tg{} @ d{} x b{batch}", a.n_gen, a.n_depth);
         let series = alternate(&modes, false, a.reps, |m| {
-            runner.time_tg(a.n_depth, a.n_gen, m, modes.rows)
+            runner.time_tg_batch(a.n_depth, a.n_gen, batch, m, modes.rows)
         })?;
         // Mean context over the generated tokens.
         let ctx = a.n_depth.max(1) + a.n_gen / 2;
+        // A batched step reads the weights once for every sequence: no single bytes figure.
         let per_token = (
-            decode_flops(&model.config, ctx) * a.n_gen as f64,
-            Some(model.decode_read_bytes(ctx) as f64 * a.n_gen as f64),
+            decode_flops(&model.config, ctx) * (a.n_gen * batch) as f64,
+            (batch == 1).then(|| model.decode_read_bytes(ctx) as f64 * a.n_gen as f64),
         );
         rows.extend(make_rows(
             &header,
@@ -568,9 +614,10 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
             RowKind::Tg {
                 n: a.n_gen,
                 depth: a.n_depth.max(1),
+                batch,
             },
             |_| per_token,
-            |n| model.kv_bytes(n),
+            |n| model.kv_bytes(n) * batch,
         ));
     }
     Ok(rows)
@@ -578,8 +625,14 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
 
 #[derive(Clone, Copy)]
 enum RowKind {
-    Pp { n: usize },
-    Tg { n: usize, depth: usize },
+    Pp {
+        n: usize,
+    },
+    Tg {
+        n: usize,
+        depth: usize,
+        batch: usize,
+    },
 }
 
 /// Turns the per-mode series into rows; `work(mode)` = (FLOPs, bytes) of one run.
@@ -593,7 +646,15 @@ fn make_rows(
 ) -> Vec<Row> {
     let (test, n_prompt, n_gen, n_depth, tokens) = match kind {
         RowKind::Pp { n } => (format!("pp{n}"), n, 0, 0, n),
-        RowKind::Tg { n, depth } => (format!("tg{n} @ d{depth}"), 0, n, depth, n),
+        RowKind::Tg { n, depth, batch: 1 } => (format!("tg{n} @ d{depth}"), 0, n, depth, n),
+        // Aggregate tokens of every sequence in the batch.
+        RowKind::Tg { n, depth, batch } => (
+            format!("tg{n} @ d{depth} x b{batch}"),
+            0,
+            n,
+            depth,
+            n * batch,
+        ),
     };
     let full_ts: Vec<f64> = series[0].secs.iter().map(|s| tokens as f64 / s).collect();
     modes
