@@ -74,6 +74,17 @@ pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Llama) -> Result<(FillF
     Ok((file, maps))
 }
 
+/// [`load_maps`] then [`configure`]: the fill file at `path` ready to run as `choice` says.
+pub fn load_configured(
+    path: &Path,
+    ckpt: &Checkpoint,
+    model: &Llama,
+    choice: &MethodChoice,
+) -> Result<(FillMethod, FillMaps, FillRows)> {
+    let (file, maps) = load_maps(path, ckpt, model)?;
+    configure(&file, &maps, choice)
+}
+
 /// The method and rows a run uses: each run-time choice, else what the fill file records.
 pub fn configure(
     file: &FillFile,

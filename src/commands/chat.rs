@@ -65,8 +65,8 @@ pub fn run(a: Args) -> Result<()> {
     let tok = &loaded.ckpt.tokenizer;
     let fill = match &a.fill {
         Some(path) => {
-            let (file, maps) = ridgefill::fillfile::load_maps(path, &loaded.ckpt, model)?;
-            let (_, maps, rows) = ridgefill::fillfile::configure(&file, &maps, &a.rows.choice())?;
+            let (_, maps, rows) =
+                ridgefill::fillfile::load_configured(path, &loaded.ckpt, model, &a.rows.choice())?;
             Some((maps, rows))
         }
         None => None,

@@ -270,12 +270,12 @@ pub fn run(a: Args) -> Result<()> {
 
     let model = &loaded.model;
     let maps = match &a.fill {
-        Some(path) => {
-            let (file, maps) = ridgefill::fillfile::load_maps(path, &loaded.ckpt, model)?;
-            let (method, maps, rows) =
-                ridgefill::fillfile::configure(&file, &maps, &a.rows.choice())?;
-            Some((method, maps, rows))
-        }
+        Some(path) => Some(ridgefill::fillfile::load_configured(
+            path,
+            &loaded.ckpt,
+            model,
+            &a.rows.choice(),
+        )?),
         None => None,
     };
     let mut cache = model.new_cache(ids.len() + a.n_predict);
