@@ -220,6 +220,9 @@ fn bench_refuses_nonsense() {
     let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-o", "xml"]);
     assert!(!ok);
     assert!(stderr.contains("invalid value 'xml'"), "{stderr}");
+    let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-b", "4,0"]);
+    assert!(!ok);
+    assert!(stderr.contains("batch size of at least 1"), "{stderr}");
     let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-p", "0", "-n", "0"]);
     assert!(!ok);
     assert!(stderr.contains("nothing to measure"), "{stderr}");

@@ -440,3 +440,49 @@ fn chat_answers_piped_turns() {
     assert!(replies[0].contains("Paris"), "{stdout:?}");
     assert_eq!(replies[0], replies[1]);
 }
+
+/// Bad flags of `serve` and `chat` fail with a message naming the problem.
+#[test]
+fn serve_and_chat_refuse_bad_flags() {
+    common::smollm2_ckpt();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["serve", "--host", "no such host", "--port", "0"],
+            "not an address",
+        ),
+        (&["serve", "--parallel", "0"], "--parallel"),
+        (
+            &[
+                "serve",
+                "--device",
+                "cpu",
+                "--port",
+                "0",
+                "--fill",
+                "/nonexistent/x.fill",
+            ],
+            "/nonexistent/x.fill",
+        ),
+        (
+            &["chat", "--device", "cpu", "-c", "64", "-n", "64"],
+            "leaves no room",
+        ),
+        (&["chat", "--device", "cpu", "--temp", "hot"], "--temp"),
+    ];
+    for (args, needle) in cases {
+        let (ok, stderr) = run(args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}

@@ -73,7 +73,8 @@ pub struct Args {
         short = 'b',
         long = "batch",
         value_delimiter = ',',
-        default_value = "1"
+        default_value = "1",
+        value_parser = parse_batch
     )]
     pub batch: Vec<usize>,
     /// Context prefilled (by the row's mode) before the decode test, as llama-bench's `-d`:
@@ -485,8 +486,8 @@ fn load_modes<'a>(
                 "--fill needs a real checkpoint (a fill file is made for one); use --split with synthetic models"
             );
         };
-        let (file, maps) = ridgefill::fillfile::load_maps(path, ckpt, &loaded.model)?;
-        let (method, maps, rows) = ridgefill::fillfile::configure(&file, &maps, &choice)?;
+        let (method, maps, rows) =
+            ridgefill::fillfile::load_configured(path, ckpt, &loaded.model, &choice)?;
         *own = Some(maps);
         Ok((own.as_ref().map(|m| (m, fill_label(true, method))), rows))
     } else if let Some(split) = a.split {
@@ -915,4 +916,11 @@ pub fn run(a: Args) -> Result<()> {
         None => print!("{text}"),
     }
     Ok(())
+}
+
+fn parse_batch(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(b) if b >= 1 => Ok(b),
+        _ => Err(format!("expected a batch size of at least 1, found {s:?}")),
+    }
 }

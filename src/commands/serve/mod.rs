@@ -48,6 +48,10 @@ pub struct Args {
 const DEFAULT_CTX_CAP: usize = 8192;
 
 pub fn run(a: Args) -> Result<()> {
+    // Checked before the model loads: a typo should not cost a load.
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("--host {:?} --port {}: not an address", a.host, a.port))?;
     let ctx_guess = a.ctx.unwrap_or(DEFAULT_CTX_CAP);
     let loaded = load(&a.model.load_args(), ctx_guess)?;
     let cfg = &loaded.model.config;
@@ -56,15 +60,16 @@ pub fn run(a: Args) -> Result<()> {
         .unwrap_or_else(|| cfg.max_position_embeddings.clamp(1, DEFAULT_CTX_CAP));
     let fill = match &a.fill {
         Some(path) => {
-            let (file, maps) = ridgefill::fillfile::load_maps(path, &loaded.ckpt, &loaded.model)?;
-            let (_, maps, rows) = ridgefill::fillfile::configure(&file, &maps, &a.rows.choice())?;
+            let (_, maps, rows) = ridgefill::fillfile::load_configured(
+                path,
+                &loaded.ckpt,
+                &loaded.model,
+                &a.rows.choice(),
+            )?;
             Some(engine::Fill { maps, rows })
         }
         None => None,
     };
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
-        .parse()
-        .with_context(|| format!("--host {:?} --port {}: not an address", a.host, a.port))?;
     let model_id = loaded.ckpt.path.file_stem().map_or_else(
         || a.model.model.clone(),
         |s| s.to_string_lossy().into_owned(),
