@@ -233,7 +233,7 @@ pub(crate) fn quantize_q8(
 ) {
     assert!(x.len() == qs.len() && x.len() == d.len() * QK && d.len() == s.len());
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 {
+    if level >= SimdLevel::Avx2 {
         // SAFETY: the level is only chosen when the CPU has AVX2, FMA and F16C; lengths checked above.
         unsafe { avx2::quantize_q8(x, qs, d, s) };
         return;
@@ -267,7 +267,7 @@ pub(crate) fn quantize_q8k(
 ) {
     assert!(x.len() == qs.len() && x.len() == d.len() * QK_K && x.len() == bsums.len() * KSUM);
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 {
+    if level >= SimdLevel::Avx2 {
         // SAFETY: the level is only chosen when the CPU has AVX2, FMA and F16C; lengths checked above.
         unsafe { avx2::quantize_q8k(x, qs, d, bsums) };
         return;

@@ -10,7 +10,7 @@ use crate::simd::SimdLevel;
 /// by the caller's constructor, re-checked by ridgefill-io on the portable path).
 pub(crate) fn dequantize_into(level: SimdLevel, ty: GgmlType, raw: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 {
+    if level >= SimdLevel::Avx2 {
         let (block, ts) = (ty.block_size(), ty.type_size());
         assert!(
             out.len().is_multiple_of(block) && raw.len() == out.len() / block * ts,

@@ -13,14 +13,16 @@
 //!   `dequantize_rows_into`.
 //! - Activations are quantised once per call per kind needed (32-blocks with sums for the legacy
 //!   formats, 256-blocks with 16-sums for the k-quants; see `act`), then integer dot products run
-//!   per block, four weight rows per pass ([`SimdLevel::Avx2`], or portable [`SimdLevel::Scalar`]).
-//! - For large batches (`m ≥` [`QWeight::f32_path_min_m`]) row chunks are dequantised into a
-//!   per-thread scratch and multiplied with the `gemm` crate's f32 GEMM instead.
+//!   per block, four weight rows per pass ([`SimdLevel::Avx512Vnni`] for the legacy formats,
+//!   [`SimdLevel::Avx2`], or portable [`SimdLevel::Scalar`]); a batch shares each unpacked weight
+//!   block between four activation rows.
+//! - For large batches (`m ≥` [`QWeight::f32_path_min_m`]) row chunks are
+//!   dequantised into a per-thread scratch and multiplied with the `gemm` crate's f32 GEMM instead.
 //! - Work is split by output rows over one persistent [`pool`] (`RIDGEFILL_THREADS`).
 //!
-//! Not implemented: AVX-512 / AVX-VNNI variants (the development machine has neither, so they
-//! could not be tested) and NEON (no aarch64 target to compile-check); those CPUs use the scalar
-//! kernels, or AVX2 where available.
+//! Not implemented: VNNI variants of the k-quant kernels and the 256-bit AVX-VNNI encoding (CPUs
+//! with AVX-VNNI but no AVX-512 run the AVX2 kernels), and NEON (no aarch64 target to
+//! compile-check); those CPUs use the scalar kernels, or AVX2 where available.
 
 mod act;
 mod bytes;

@@ -2,7 +2,8 @@
 
 use std::sync::OnceLock;
 
-/// Environment variable that forces a lower level (`scalar`, `avx2`); unknown values are ignored.
+/// Environment variable that forces a lower level (`scalar`, `avx2`, `avx512vnni`); unknown values
+/// are ignored.
 pub const SIMD_ENV: &str = "RIDGEFILL_SIMD";
 
 /// An instruction-set level the kernels are written for.
@@ -12,17 +13,21 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd` integer dot products.
     Avx2,
+    /// Avx2 plus AVX-512 F/BW/VL/VNNI: `vpdpbusd` on 512-bit vectors, two weight rows per vector,
+    /// for the 32-element legacy formats (other formats use the Avx2 kernels).
+    Avx512Vnni,
 }
 
 impl SimdLevel {
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 2] = [SimdLevel::Scalar, SimdLevel::Avx2];
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni];
 
     /// Whether this CPU can run the level.
     pub fn is_available(self) -> bool {
         match self {
             SimdLevel::Scalar => true,
             SimdLevel::Avx2 => avx2_available(),
+            SimdLevel::Avx512Vnni => avx2_available() && avx512vnni_available(),
         }
     }
 
@@ -42,6 +47,7 @@ impl SimdLevel {
             match std::env::var(SIMD_ENV).ok().as_deref().map(str::trim) {
                 Some("scalar") => SimdLevel::Scalar,
                 Some("avx2") if best >= SimdLevel::Avx2 => SimdLevel::Avx2,
+                Some("avx512vnni") if best >= SimdLevel::Avx512Vnni => SimdLevel::Avx512Vnni,
                 _ => best,
             }
         })
@@ -52,6 +58,7 @@ impl SimdLevel {
         match self {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512Vnni => "avx512vnni",
         }
     }
 }
@@ -65,5 +72,18 @@ fn avx2_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512vnni_available() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512vnni_available() -> bool {
     false
 }

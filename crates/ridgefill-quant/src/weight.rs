@@ -233,6 +233,10 @@ impl Default for MatmulConfig {
 /// differ by a few percent either way, so a step either side costs little). The integer cost
 /// grows linearly in m (each activation row is a GEMV over the cached weight tile); the GEMM path
 /// pays a fixed dequantisation (≈ 0.15 ns per weight) and then runs at f32 GEMM speed.
+///
+/// The AVX-512 VNNI kernels keep the same thresholds: on one thread they stay ahead of the GEMM
+/// up to m = 512 for Q4_0 / Q4_1 / Q8_0 (Xeon), but SmolLM2's whole pp512 on 2 threads runs
+/// 16% slower that way (730 against 870 t/s with the GEMM from m = 32, 64 or 128 alike).
 fn f32_path_min_m(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4_0 => 48,
@@ -255,6 +259,8 @@ const ROW_ALIGN: usize = 16;
 const ROW_TILE: usize = 16;
 /// Activation rows the integer path runs against each weight tile at once (m > 1).
 const ACT_GROUP: usize = 4;
+/// A remainder of two or three activation rows still shares each unpacked block by twos.
+const PAIR: usize = 2;
 /// Rows per chunk of the dequantise + GEMM path (the f32 scratch is this × cols floats).
 const GEMM_CHUNK_ROWS: usize = 64;
 
@@ -522,6 +528,12 @@ impl QWeight {
                         let os: [&mut [f32]; ACT_GROUP] = std::array::from_fn(|k| o(i + k));
                         gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
                         i += ACT_GROUP;
+                    }
+                    if i + PAIR <= m {
+                        let xs: [XRow<'_>; PAIR] = std::array::from_fn(|k| xrow(i + k));
+                        let os: [&mut [f32]; PAIR] = std::array::from_fn(|k| o(i + k));
+                        gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
+                        i += PAIR;
                     }
                     for i in i..m {
                         gemv_rows(level, p.ty, w, p.row_bytes, xrow(i), o(i));

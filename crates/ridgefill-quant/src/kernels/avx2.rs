@@ -25,7 +25,7 @@ const ROWS: usize = 4;
 const PREFETCH_MIN: usize = 4096;
 
 #[inline]
-fn prefetch_distance(rows: usize, row_bytes: usize) -> usize {
+pub(super) fn prefetch_distance(rows: usize, row_bytes: usize) -> usize {
     let group = rows * row_bytes;
     PREFETCH_MIN.div_ceil(group.max(1)) * group
 }
@@ -34,13 +34,13 @@ fn prefetch_distance(rows: usize, row_bytes: usize) -> usize {
 /// faults), hence the wrapping arithmetic past the end of the weights.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch(p: *const u8, dist: usize) {
+pub(super) fn prefetch(p: *const u8, dist: usize) {
     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(dist) as *const i8);
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees two readable bytes at `p`.
     let h = unsafe { (p as *const u16).read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
@@ -48,7 +48,7 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_ps(v: __m256) -> f32 {
+pub(super) fn hsum_ps(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     hsum_ps128(s)
 }
@@ -63,7 +63,7 @@ fn hsum_ps128(s: __m128) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load(p: *const u8) -> __m256i {
+pub(super) unsafe fn load(p: *const u8) -> __m256i {
     // SAFETY: the caller guarantees 32 readable bytes at `p`.
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
@@ -71,7 +71,7 @@ unsafe fn load(p: *const u8) -> __m256i {
 /// 16 bytes of nibbles → 32 bytes: low nibbles (values 0..15) then high nibbles (16..31).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
     // SAFETY: the caller guarantees 16 readable bytes at `p`.
     let t = unsafe { _mm_loadu_si128(p as *const __m128i) };
     _mm256_and_si256(
@@ -83,7 +83,7 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 /// The 32 bits at `p` → 32 bytes, 0xFF where the bit is set (byte i ↔ bit i).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bits32(p: *const u8) -> __m256i {
+pub(super) unsafe fn bits32(p: *const u8) -> __m256i {
     // SAFETY: the caller guarantees four readable bytes at `p`.
     spread_bits(unsafe { (p as *const u32).read_unaligned() })
 }
@@ -113,7 +113,7 @@ fn dot_u8i8(q: __m256i, x: __m256i) -> __m256i {
 
 /// Where a legacy block's offset term comes from: row r gets `Σ_b [d·dx·Σlanes + c·s_b]` with
 /// s_b = dx·Σxq, and c is the block's f16 min, or a fixed multiple of its scale d.
-enum Offset {
+pub(super) enum Offset {
     /// c = the f16 at this byte offset (Q4_1, Q5_1).
     Min(usize),
     /// c = k·d (Q4_0: −8, Q5_0: −16, Q8_0: 0).
@@ -127,7 +127,11 @@ enum Offset {
 /// The blocks exist in every row.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn halves8<const R: usize>(blocks: &[*const u8; 4], b1: Option<usize>, at: usize) -> __m256 {
+pub(super) unsafe fn halves8<const R: usize>(
+    blocks: &[*const u8; 4],
+    b1: Option<usize>,
+    at: usize,
+) -> __m256 {
     // SAFETY: guaranteed by the caller.
     let h = |r: usize, off: usize| unsafe {
         if r < R {
@@ -286,7 +290,10 @@ macro_rules! legacy_kernel {
 /// 16 readable bytes at `p0 + QS` and `p1 + QS`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibble_pair<const QS: usize>(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+pub(super) unsafe fn nibble_pair<const QS: usize>(
+    p0: *const u8,
+    p1: *const u8,
+) -> (__m256i, __m256i) {
     // SAFETY: guaranteed by the caller.
     let v = unsafe {
         _mm256_inserti128_si256::<1>(
@@ -307,7 +314,7 @@ unsafe fn nibble_pair<const QS: usize>(p0: *const u8, p1: *const u8) -> (__m256i
 /// As for [`nibble_pair`], and four readable bytes at `p0 + QH` and `p1 + QH`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibble5_pair<const QH: usize, const QS: usize>(
+pub(super) unsafe fn nibble5_pair<const QH: usize, const QS: usize>(
     p0: *const u8,
     p1: *const u8,
 ) -> (__m256i, __m256i) {
@@ -650,7 +657,7 @@ unsafe fn rows<const R: usize>(
 /// As for the kernels; `ty` is one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy<const R: usize, const A: usize>(
+pub(super) unsafe fn legacy<const R: usize, const A: usize>(
     ty: GgmlType,
     w: *const u8,
     row_bytes: usize,

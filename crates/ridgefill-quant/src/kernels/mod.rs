@@ -9,6 +9,8 @@ use crate::simd::SimdLevel;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod scalar;
 
 /// Which activation kind a weight type's kernel consumes.
@@ -79,9 +81,15 @@ pub(crate) fn gemv_rows(
         "gemv_rows: {ty} rows of {row_bytes} bytes do not match the activation row"
     );
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 {
-        // SAFETY: Avx2 is only used when the CPU has AVX2, FMA and F16C (SimdLevel::is_available
-        // is checked by every caller); the sizes were checked just above.
+    if level >= SimdLevel::Avx2 {
+        if let (SimdLevel::Avx512Vnni, XRow::Q8(x)) = (level, x) {
+            // SAFETY: Avx512Vnni is only used when the CPU has it (SimdLevel::is_available is
+            // checked by every caller); the sizes were checked just above.
+            unsafe { avx512::gemv_rows_multi(ty, w, row_bytes, &[x], &mut [out]) };
+            return;
+        }
+        // SAFETY: levels from Avx2 up are only used when the CPU has AVX2, FMA and F16C
+        // (SimdLevel::is_available is checked by every caller); the sizes were checked above.
         unsafe { avx2::gemv_rows(ty, w, row_bytes, x, out) };
         return;
     }
@@ -90,8 +98,8 @@ pub(crate) fn gemv_rows(
 }
 
 /// [`gemv_rows`] for `A` activation rows: `outs[a][r] = Σ_k W[r, k]·xs[a][k]`. The legacy
-/// formats on AVX2 unpack each weight block once for all `A` rows; other types and levels run
-/// one GEMV per row.
+/// formats on AVX2 and up unpack each weight block once for all `A` rows; other types and levels
+/// run one GEMV per row.
 pub(crate) fn gemv_rows_multi<const A: usize>(
     level: SimdLevel,
     ty: GgmlType,
@@ -101,7 +109,7 @@ pub(crate) fn gemv_rows_multi<const A: usize>(
     mut outs: [&mut [f32]; A],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && act_kind(ty) == Some(ActKind::Q8) {
+    if level >= SimdLevel::Avx2 && act_kind(ty) == Some(ActKind::Q8) {
         let q8: Option<[Q8Row<'_>; A]> = xs
             .iter()
             .map(|x| match x {
@@ -121,9 +129,15 @@ pub(crate) fn gemv_rows_multi<const A: usize>(
                     && w.len() >= n * row_bytes,
                 "gemv_rows_multi: {ty} rows of {row_bytes} bytes do not match the activation rows"
             );
-            // SAFETY: Avx2 is only used when the CPU has it (checked by every caller); sizes
+            // SAFETY: a level is only used when the CPU has it (checked by every caller); sizes
             // were checked just above.
-            unsafe { avx2::gemv_rows_multi(ty, w, row_bytes, &q8, &mut outs) };
+            unsafe {
+                if level == SimdLevel::Avx512Vnni {
+                    avx512::gemv_rows_multi(ty, w, row_bytes, &q8, &mut outs)
+                } else {
+                    avx2::gemv_rows_multi(ty, w, row_bytes, &q8, &mut outs)
+                }
+            };
             return;
         }
     }
