@@ -155,6 +155,22 @@ fn max_of(xs: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
 }
 
+/// Columns of [`weighted_values`] summed in registers at once (four 16-float vectors).
+const VALUE_GROUP: usize = 4 * LANES;
+
+/// Σ of the lanes, pairwise (a running sum would be a chain of dependent scalar adds).
+#[inline(always)]
+fn tree_sum(mut a: [f32; LANES]) -> f32 {
+    let mut w = LANES / 2;
+    while w > 0 {
+        for l in 0..w {
+            a[l] += a[l + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
 /// Σ x².
 #[inline(always)]
 fn sum_squares(xs: &[f32]) -> f32 {
@@ -261,7 +277,7 @@ simd_fn! {
                 }
             }
             let tail: f32 = qc.remainder().iter().zip(kc.remainder()).map(|(a, b)| a * b).sum();
-            *s = scale * (acc.iter().sum::<f32>() + tail);
+            *s = scale * (tree_sum(acc) + tail);
         }
     }
 }
@@ -270,11 +286,39 @@ simd_fn! {
     /// `out = Σ_j p_j · v_j` over `p.len()` values, value `j` at `vs[j·v_row..]`.
     fn weighted_values(p: &[f32], vs: &[f32], v_row: usize, out: &mut [f32]) {
         let hd = out.len();
-        out.fill(0.0);
-        for (j, &w) in p.iter().enumerate() {
-            let v = &vs[j * v_row..][..hd];
-            for (o, &x) in out.iter_mut().zip(v) {
-                *o += w * x;
+        let mut c0 = 0;
+        // Columns in register-sized groups, two keys' sums interleaved, so the adds of one key
+        // never wait on the previous key's (and `out` is not reloaded per key).
+        while c0 + VALUE_GROUP <= hd {
+            let mut acc = [[0f32; VALUE_GROUP]; 2];
+            let mut pairs = p.chunks_exact(2);
+            for (jp, w) in (&mut pairs).enumerate() {
+                for (u, acc) in acc.iter_mut().enumerate() {
+                    let v = &vs[(2 * jp + u) * v_row + c0..][..VALUE_GROUP];
+                    for l in 0..VALUE_GROUP {
+                        acc[l] += w[u] * v[l];
+                    }
+                }
+            }
+            if let [w] = pairs.remainder() {
+                let v = &vs[(p.len() - 1) * v_row + c0..][..VALUE_GROUP];
+                for l in 0..VALUE_GROUP {
+                    acc[0][l] += w * v[l];
+                }
+            }
+            for l in 0..VALUE_GROUP {
+                out[c0 + l] = acc[0][l] + acc[1][l];
+            }
+            c0 += VALUE_GROUP;
+        }
+        if c0 < hd {
+            let out = &mut out[c0..];
+            out.fill(0.0);
+            for (j, &w) in p.iter().enumerate() {
+                let v = &vs[j * v_row + c0..][..out.len()];
+                for (o, &x) in out.iter_mut().zip(v) {
+                    *o += w * x;
+                }
             }
         }
     }
@@ -584,32 +628,98 @@ pub fn fill_kv(
 /// # Shapes
 /// - q: `[1, heads, n, hd]`, k/v: `[1, kv_heads, t, hd]` (t ≥ n) → `[n, heads·hd]`
 pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Tensor<2> {
-    let [_, heads, n, hd] = q.dims();
-    let [_, kv_heads, t, _] = k.dims();
+    attention_many(vec![AttnItem {
+        q,
+        k,
+        v,
+        seen: seen.to_vec(),
+    }])
+}
+
+/// One sequence's share of [`attention_many`]: its queries, its whole K/V and `seen` as for
+/// [`attention`].
+pub struct AttnItem {
+    pub q: Tensor<4>,
+    pub k: Tensor<4>,
+    pub v: Tensor<4>,
+    pub seen: Vec<usize>,
+}
+
+/// [`attention`] for several sequences at once (batched decode): the (sequence, head, query
+/// block) tasks of all of them share one parallel dispatch, where one decode row's attention
+/// alone is too small to split.
+///
+/// # Shapes
+/// - items: as for [`attention`], same heads and head size → `[Σ n, heads·hd]`, rows in order
+pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
+    struct Prep {
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        n: usize,
+        seen: Vec<usize>,
+        blocks: usize,
+        /// First output row.
+        row0: usize,
+        /// First task.
+        job0: usize,
+    }
+    let [_, heads, _, hd] = items[0].q.dims();
+    let kv_heads = items[0].k.dims()[1];
     let group = heads / kv_heads;
-    let (q, k, v) = (flex(q), flex(k), flex(v));
-    let (qs, q_head, q_row) = heads4(&q);
-    let (ks, k_head, k_row) = heads4(&k);
-    let (vs, v_head, v_row) = heads4(&v);
     let scale = 1.0 / (hd as f32).sqrt();
     let width = heads * hd;
-    let blocks = n.div_ceil(QUERY_BLOCK);
-    let past = t - n;
-    let seen: Vec<usize> = if seen.is_empty() {
-        (0..n).map(|i| past + i + 1).collect()
-    } else {
-        seen.to_vec()
-    };
-    let mut out = vec![0f32; n * width];
+    let (mut rows, mut jobs, mut work, mut max_n) = (0, 0, 0, 0);
+    let preps: Vec<Prep> = items
+        .into_iter()
+        .map(|it| {
+            let [_, h, n, d] = it.q.dims();
+            let [_, kh, t, _] = it.k.dims();
+            assert!(
+                h == heads && d == hd && kh == kv_heads,
+                "attention_many: items differ in heads"
+            );
+            let blocks = n.div_ceil(QUERY_BLOCK);
+            let past = t - n;
+            let seen = if it.seen.is_empty() {
+                (0..n).map(|i| past + i + 1).collect()
+            } else {
+                it.seen
+            };
+            let p = Prep {
+                q: flex(it.q),
+                k: flex(it.k),
+                v: flex(it.v),
+                n,
+                seen,
+                blocks,
+                row0: rows,
+                job0: jobs,
+            };
+            rows += n;
+            jobs += heads * blocks;
+            work += heads * n * t * hd;
+            max_n = max_n.max(n);
+            p
+        })
+        .collect();
+    let mut out = vec![0f32; rows * width];
     let out_ptr = SendPtr(out.as_mut_ptr());
     let task = |scores: &mut Vec<f32>, job: usize| {
-        let (h, b) = (job / blocks, job % blocks);
+        let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
+        let (qs, q_head, q_row) = heads4(&it.q);
+        let (ks, k_head, k_row) = heads4(&it.k);
+        let (vs, v_head, v_row) = heads4(&it.v);
+        let j = job - it.job0;
+        let (h, b) = (j / it.blocks, j % it.blocks);
         let r0 = b * QUERY_BLOCK;
-        let rb = QUERY_BLOCK.min(n - r0);
-        let live = &seen[r0..r0 + rb];
+        let rb = QUERY_BLOCK.min(it.n - r0);
+        let live = &it.seen[r0..r0 + rb];
         let kv_end = live[rb - 1];
         scores.resize(rb * kv_end, 0.0);
         let kh = h / group;
+        // This task's first output element: row row0 + r0, head h.
+        let out_at = (it.row0 + r0) * width + h * hd;
         if rb <= DOT_ROWS_MAX && k_row > 0 && v_row > 0 {
             let (k0, v0) = (&ks[kh * k_head..], &vs[kh * v_head..]);
             for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
@@ -624,7 +734,7 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Te
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         o.as_ptr(),
-                        out_ptr.get().add((r0 + i) * width + h * hd),
+                        out_ptr.get().add(out_at + i * width),
                         hd,
                     );
                 }
@@ -662,7 +772,7 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Te
                 rb,
                 hd,
                 kv_end,
-                out_ptr.get().add(r0 * width + h * hd),
+                out_ptr.get().add(out_at),
                 1,
                 width as isize,
                 false,
@@ -681,11 +791,10 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Te
             );
         }
     };
-    let jobs = heads * blocks;
-    if heads * n * t * hd < ATTENTION_PARALLEL_MIN {
+    if work < ATTENTION_PARALLEL_MIN {
         let mut scores = Vec::new();
         (0..jobs).for_each(|j| task(&mut scores, j));
-    } else if n <= DOT_ROWS_MAX {
+    } else if max_n <= DOT_ROWS_MAX {
         // Decode: the quantised kernels' pool is awake between projections; rayon's is not.
         ridgefill_quant::pool::for_each(jobs, &|j| task(&mut Vec::new(), j));
     } else {
@@ -693,7 +802,7 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Te
             .into_par_iter()
             .for_each_init(Vec::new, |scores, j| task(scores, j));
     }
-    wrap(out, [n, width])
+    wrap(out, [rows, width])
 }
 
 /// A raw output pointer shared by tasks that write disjoint parts of one buffer.

@@ -962,6 +962,44 @@ impl Llama {
         (attn.swap_dims(1, 2).reshape([m, heads * hd]), kv_pre)
     }
 
+    /// The attention half of a block for one decode row per sequence (row `i` of `qkv` belongs to
+    /// `caches[i]`, at its next position). On the fused CPU path the sequences' attention runs
+    /// as one parallel job; elsewhere sequence by sequence.
+    ///
+    /// # Shapes
+    /// - qkv: `[b, q_dim + 2·kv_dim]` → `[b, q_dim]`
+    fn attention_batch(&self, l: usize, qkv: Tensor<2>, caches: &mut [&mut KvCache]) -> Tensor<2> {
+        #[cfg(feature = "flex")]
+        if self.fused_block(l) {
+            let cfg = &self.config;
+            let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+            let rope = self.rope_of(l);
+            let items = caches
+                .iter_mut()
+                .enumerate()
+                .map(|(i, c)| {
+                    let at = At::Next(c.len());
+                    let row = qkv.clone().narrow(0, i, 1);
+                    let (q, k, v) = crate::cpu::qkv_rope(row, heads, kv_heads, rope.host(c.len()));
+                    let seen = store(c, l, k, v, at);
+                    let (k, v) = c.read(l);
+                    crate::cpu::AttnItem { q, k, v, seen }
+                })
+                .collect();
+            return crate::cpu::attention_many(items);
+        }
+        let attn: Vec<Tensor<2>> = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(i, c)| {
+                let pos = c.len();
+                self.attention_rows(l, qkv.clone().narrow(0, i, 1), c, At::Next(pos))
+                    .0
+            })
+            .collect();
+        Tensor::cat(attn, 0)
+    }
+
     /// The rest of a block after attention: output projection, residual, MLP. Row-wise, so the
     /// rows of several sequences go through it as one batch.
     ///
@@ -1137,16 +1175,8 @@ impl Llama {
         let mut h = self.embed(tokens)?;
         for l in 0..self.num_layers() {
             let qkv = self.qkv(l, h.clone());
-            let attn: Vec<Tensor<2>> = caches
-                .iter_mut()
-                .enumerate()
-                .map(|(i, c)| {
-                    let pos = c.len();
-                    self.attention_rows(l, qkv.clone().narrow(0, i, 1), c, At::Next(pos))
-                        .0
-                })
-                .collect();
-            h = self.block_after_attention(l, h, Tensor::cat(attn, 0));
+            let attn = self.attention_batch(l, qkv, caches);
+            h = self.block_after_attention(l, h, attn);
         }
         for c in caches.iter_mut() {
             let len = c.len() + 1;
