@@ -155,6 +155,33 @@ fn max_of(xs: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
 }
 
+/// Keys ahead of the one being scored whose rows are prefetched: a decode step's K/V rows come
+/// from memory (every other layer's cache and weights went through the caches since), and one
+/// head's few hundred rows are too short a stream for the hardware prefetcher to ramp up.
+const PREFETCH_KEYS: usize = 8;
+
+/// Prefetches the cache lines of `xs[at..at + len]` (nothing past the end of `xs`).
+#[inline(always)]
+fn prefetch_row(xs: &[f32], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        const LINE_FLOATS: usize = 16;
+        let end = (at + len).min(xs.len());
+        let mut i = at;
+        while i < end {
+            // SAFETY: `i` is inside `xs`; a prefetch has no other effect.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    xs.as_ptr().add(i) as *const i8,
+                )
+            };
+            i += LINE_FLOATS;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (xs, at, len);
+}
+
 /// Columns of [`weighted_values`] summed in registers at once (four 16-float vectors).
 const VALUE_GROUP: usize = 4 * LANES;
 
@@ -263,10 +290,21 @@ simd_fn! {
 }
 
 simd_fn! {
-    /// `scores[j] = scale · q·k_j` for keys `j < scores.len()`, key `j` at `ks[j·k_row..]`.
-    fn dot_scores(q: &[f32], ks: &[f32], k_row: usize, scale: f32, scores: &mut [f32]) {
+    /// `scores[j] = scale · q·k_j` for keys `j < scores.len()`, key `j` at `ks[j·k_row..]`;
+    /// value rows `vs[j·v_row..]` (read next, by [`weighted_values`]) are prefetched alongside.
+    fn dot_scores(
+        q: &[f32],
+        ks: &[f32],
+        k_row: usize,
+        vs: &[f32],
+        v_row: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
         let hd = q.len();
         for (j, s) in scores.iter_mut().enumerate() {
+            prefetch_row(ks, (j + PREFETCH_KEYS) * k_row, hd);
+            prefetch_row(vs, j * v_row, hd);
             let k = &ks[j * k_row..][..hd];
             let mut acc = [0f32; LANES];
             let mut kc = k.chunks_exact(LANES);
@@ -659,6 +697,9 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         n: usize,
         seen: Vec<usize>,
         blocks: usize,
+        /// Query heads per task: a decode row's task takes a whole group sharing one K/V head,
+        /// so those rows are read from memory once.
+        heads_per_job: usize,
         /// First output row.
         row0: usize,
         /// First task.
@@ -680,6 +721,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 "attention_many: items differ in heads"
             );
             let blocks = n.div_ceil(QUERY_BLOCK);
+            let heads_per_job = if n <= DOT_ROWS_MAX { group } else { 1 };
             let past = t - n;
             let seen = if it.seen.is_empty() {
                 (0..n).map(|i| past + i + 1).collect()
@@ -693,11 +735,12 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 n,
                 seen,
                 blocks,
+                heads_per_job,
                 row0: rows,
                 job0: jobs,
             };
             rows += n;
-            jobs += heads * blocks;
+            jobs += heads / heads_per_job * blocks;
             work += heads * n * t * hd;
             max_n = max_n.max(n);
             p
@@ -705,13 +748,10 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         .collect();
     let mut out = vec![0f32; rows * width];
     let out_ptr = SendPtr(out.as_mut_ptr());
-    let task = |scores: &mut Vec<f32>, job: usize| {
-        let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
+    let one_head = |scores: &mut Vec<f32>, it: &Prep, h: usize, b: usize| {
         let (qs, q_head, q_row) = heads4(&it.q);
         let (ks, k_head, k_row) = heads4(&it.k);
         let (vs, v_head, v_row) = heads4(&it.v);
-        let j = job - it.job0;
-        let (h, b) = (j / it.blocks, j % it.blocks);
         let r0 = b * QUERY_BLOCK;
         let rb = QUERY_BLOCK.min(it.n - r0);
         let live = &it.seen[r0..r0 + rb];
@@ -724,7 +764,15 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             let (k0, v0) = (&ks[kh * k_head..], &vs[kh * v_head..]);
             for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
                 let q = &qs[h * q_head + (r0 + i) * q_row as usize..][..hd];
-                dot_scores(q, k0, k_row as usize, scale, &mut row[..live[i]]);
+                dot_scores(
+                    q,
+                    k0,
+                    k_row as usize,
+                    v0,
+                    v_row as usize,
+                    scale,
+                    &mut row[..live[i]],
+                );
             }
             softmax_rows(scores, kv_end, live);
             for (i, row) in scores.chunks_exact(kv_end).enumerate() {
@@ -789,6 +837,14 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 false,
                 gemm::Parallelism::None,
             );
+        }
+    };
+    let task = |scores: &mut Vec<f32>, job: usize| {
+        let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
+        let j = job - it.job0;
+        let (hg, b) = (j / it.blocks, j % it.blocks);
+        for h in hg * it.heads_per_job..(hg + 1) * it.heads_per_job {
+            one_head(scores, it, h, b);
         }
     };
     if work < ATTENTION_PARALLEL_MIN {

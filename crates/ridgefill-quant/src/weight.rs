@@ -261,6 +261,8 @@ const ROW_TILE: usize = 16;
 const ACT_GROUP: usize = 4;
 /// A remainder of two or three activation rows still shares each unpacked block by twos.
 const PAIR: usize = 2;
+/// With 32 vector registers (AVX-512) eight activation rows fit a pass.
+const WIDE_GROUP: usize = 8;
 /// Rows per chunk of the dequantise + GEMM path (the f32 scratch is this × cols floats).
 const GEMM_CHUNK_ROWS: usize = 64;
 
@@ -523,6 +525,14 @@ impl QWeight {
                     };
                     let mut i = 0;
                     // Activation rows in groups: each weight block is unpacked once per group.
+                    if level == SimdLevel::Avx512Vnni {
+                        while i + WIDE_GROUP <= m {
+                            let xs: [XRow<'_>; WIDE_GROUP] = std::array::from_fn(|k| xrow(i + k));
+                            let os: [&mut [f32]; WIDE_GROUP] = std::array::from_fn(|k| o(i + k));
+                            gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
+                            i += WIDE_GROUP;
+                        }
+                    }
                     while i + ACT_GROUP <= m {
                         let xs: [XRow<'_>; ACT_GROUP] = std::array::from_fn(|k| xrow(i + k));
                         let os: [&mut [f32]; ACT_GROUP] = std::array::from_fn(|k| o(i + k));
