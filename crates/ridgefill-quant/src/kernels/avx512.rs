@@ -27,27 +27,26 @@ use crate::act::{Q8Row, QK};
 /// Rows per kernel pass (two row pairs).
 const ROWS: usize = 4;
 
-/// The offset term of blocks `b` (lanes 0..4) and `b + 1` (lanes 4..8, paired path only) of the
-/// rows, added into `corr` (lane r / r + 4 = row r): see [`Offset`].
+/// The per-block factor of the offset term of blocks `b` (lanes 0..4) and `b + 1` (lanes 4..8,
+/// paired path only) of the rows (lane r / r + 4 = row r), see [`Offset`]: the f16 min, or
+/// `k·d`; `None` for no offset. Shared by every activation row, which adds `factor · s`.
 ///
 /// # Safety
 /// The blocks exist in every row.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn corr_step<const R: usize>(
+unsafe fn offset_factor<const R: usize>(
     offset: &Offset,
-    corr: __m256,
     blocks: &[*const u8; 4],
     b1: Option<usize>,
     d8: __m256,
-    s: __m256,
-) -> __m256 {
+) -> Option<__m256> {
     // SAFETY: forwarded from the caller.
     unsafe {
         match *offset {
-            Offset::Min(at) => _mm256_fmadd_ps(halves8::<R>(blocks, b1, at), s, corr),
-            Offset::Scaled(0.0) => corr,
-            Offset::Scaled(k) => _mm256_fmadd_ps(d8, _mm256_mul_ps(s, _mm256_set1_ps(k)), corr),
+            Offset::Min(at) => Some(halves8::<R>(blocks, b1, at)),
+            Offset::Scaled(0.0) => None,
+            Offset::Scaled(k) => Some(_mm256_mul_ps(d8, _mm256_set1_ps(k))),
         }
     }
 }
@@ -110,6 +109,7 @@ macro_rules! vnni_kernel {
                         let blocks: [*const u8; 4] =
                             std::array::from_fn(|r| rows[r].wrapping_add(b * ts));
                         let d8 = halves8::<R>(&blocks, Some(ts), 0);
+                        let c8 = offset_factor::<R>(&offset, &blocks, Some(ts), d8);
                         let d8z = _mm512_castps256_ps512(d8);
                         let mut dw = [_mm512_setzero_ps(); 2];
                         let mut lo = [zero; 2];
@@ -130,8 +130,10 @@ macro_rules! vnni_kernel {
                             let s = xs[a].s.as_ptr().add(b);
                             let dx2 = _mm_castpd_ps(_mm_load_sd(d as *const f64));
                             let dx = _mm512_permutexvar_ps(x_idx, _mm512_castps128_ps512(dx2));
-                            let sx = _mm256_set_m128(_mm_set1_ps(*s.add(1)), _mm_set1_ps(*s));
-                            corr[a] = corr_step::<R>(&offset, corr[a], &blocks, Some(ts), d8, sx);
+                            if let Some(c8) = c8 {
+                                let sx = _mm256_set_m128(_mm_set1_ps(*s.add(1)), _mm_set1_ps(*s));
+                                corr[a] = _mm256_fmadd_ps(c8, sx, corr[a]);
+                            }
                             let xp = xs[a].pairs.as_ptr().add(b * QK) as *const u8;
                             let xl = _mm512_broadcast_i64x4(load(xp));
                             let xh = _mm512_broadcast_i64x4(load(xp.add(32)));
@@ -162,6 +164,7 @@ macro_rules! vnni_kernel {
                     let blocks: [*const u8; 4] =
                         std::array::from_fn(|r| rows[r].wrapping_add(b * ts));
                     let d8 = halves8::<R>(&blocks, None, 0);
+                    let c8 = offset_factor::<R>(&offset, &blocks, None, d8);
                     let d8z = _mm512_castps256_ps512(d8);
                     let mut dw = [_mm512_setzero_ps(); 2];
                     let mut wv = [zero; 2];
@@ -177,8 +180,10 @@ macro_rules! vnni_kernel {
                         let xq = load(xs[a].qs.as_ptr().add(b * QK) as *const u8);
                         let x = _mm512_broadcast_i64x4(xq);
                         let dx = _mm512_set1_ps(*xs[a].d.get_unchecked(b));
-                        let sx = _mm256_set1_ps(*xs[a].s.get_unchecked(b));
-                        corr[a] = corr_step::<R>(&offset, corr[a], &blocks, None, d8, sx);
+                        if let Some(c8) = c8 {
+                            let sx = _mm256_set1_ps(*xs[a].s.get_unchecked(b));
+                            corr[a] = _mm256_fmadd_ps(c8, sx, corr[a]);
+                        }
                         // Start from −bias·Σx so the biased bytes give Σ q·x exactly.
                         let init = if bias == 0 {
                             zero
