@@ -355,10 +355,11 @@ fn bench_with_a_fitted_fill_file() {
     );
 }
 
-/// `-b` adds batched decode rows: aggregate t/s of several sequences decoded in one step each,
-/// with the KV bytes of all of them, next to the single-sequence row.
+/// `-b` adds batched rows: aggregate t/s of several prompts prefilled together and of several
+/// sequences decoded in one step each, with the KV bytes of all of them, next to the
+/// single-sequence rows.
 #[test]
-fn bench_batch_rows_report_aggregate_decode() {
+fn bench_batch_rows_report_aggregate_prefill_and_decode() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let (ok, stdout, stderr) = ridgefill(&[
@@ -368,7 +369,7 @@ fn bench_batch_rows_report_aggregate_decode() {
         "--device",
         "cpu",
         "-p",
-        "0",
+        "5",
         "-n",
         "3",
         "-d",
@@ -387,10 +388,11 @@ fn bench_batch_rows_report_aggregate_decode() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let tests: Vec<&str> = rows.iter().map(|r| r["test"].as_str().unwrap()).collect();
-    assert_eq!(tests, ["tg3 @ d8", "tg3 @ d8 x b3"]);
+    assert_eq!(tests, ["pp5", "pp5 x b3", "tg3 @ d8", "tg3 @ d8 x b3"]);
     for r in &rows {
         assert!(r["avg_ts"].as_f64().unwrap() > 0.0, "{r}");
     }
     let kv = |i: usize| rows[i]["kv_bytes"].as_u64().unwrap();
-    assert_eq!(kv(1), 3 * kv(0), "a batch row holds every sequence's cache");
+    assert_eq!(kv(1), 3 * kv(0), "a batch row holds every prompt's cache");
+    assert_eq!(kv(3), 3 * kv(2), "a batch row holds every sequence's cache");
 }

@@ -793,6 +793,90 @@ fn batched_decode_equals_each_sequence_alone() {
     }
 }
 
+/// Prefill of several prompts at once (rows of different sequences stacked in every matmul,
+/// prompts longer than one chunk taking several rounds) gives each prompt's logits and cache
+/// as its own prefill does: dense with and without the fused kernels, and Q4_0 blocks. The Q4_0
+/// batch stays under the row count from which its matmuls leave the integer kernels for
+/// dequantise + f32 GEMM (exact activations rather than 8-bit ones), so both sides round alike.
+#[test]
+fn batched_prefill_equals_each_prompt_alone() {
+    common::init();
+    let chunk = ridgefill::model::llama::PREFILL_CHUNK;
+    let mut models: Vec<(String, Llama, Vec<usize>)> = [true, false]
+        .into_iter()
+        .map(|k| {
+            let lens = vec![7, chunk + 40, 1, 64];
+            (format!("dense, kernels {k}"), gqa_model(3, k), lens)
+        })
+        .collect();
+    let q4 = Llama::random_with(
+        gqa_model(3, true).config.clone(),
+        &Device::flex(),
+        FloatDType::F32,
+        WeightFormat::Native,
+        1024,
+        5,
+    )
+    .unwrap();
+    // 40 rows in all: below Q4_0's integer-kernel limit of 48.
+    models.push(("Q4_0".into(), q4, vec![7, 1, 12, 20]));
+    for (name, model, lens) in &models {
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| prompt(n + 1 + i, vocab)[i..i + n + 1].to_vec())
+            .collect();
+        let mut alone = Vec::new();
+        for p in &prompts {
+            let n = p.len() - 1;
+            let mut c = model.new_cache(n + 1);
+            let a = to_host_f32(model.prefill(&p[..n], &mut c).unwrap());
+            let b = to_host_f32(model.decode_step(p[n], &mut c).unwrap());
+            alone.push((a, b));
+        }
+        let mut caches: Vec<_> = prompts.iter().map(|p| model.new_cache(p.len())).collect();
+        let heads: Vec<&[u32]> = prompts.iter().map(|p| &p[..p.len() - 1]).collect();
+        let mut refs: Vec<_> = caches.iter_mut().collect();
+        let got = to_host_f32(model.prefill_batch(&heads, &mut refs).unwrap());
+        // The caches continue as the single prefills' do.
+        let next: Vec<u32> = prompts.iter().map(|p| p[p.len() - 1]).collect();
+        let after = to_host_f32(model.decode_batch(&next, &mut refs).unwrap());
+        for (i, (want_a, want_b)) in alone.iter().enumerate() {
+            let d = common::max_abs_diff(want_a, &got[i * vocab..(i + 1) * vocab]);
+            assert!(
+                d < 1e-3,
+                "{name}: prompt {i} (n = {}): max |Δ| {d}",
+                lens[i]
+            );
+            let d = common::max_abs_diff(want_b, &after[i * vocab..(i + 1) * vocab]);
+            assert!(
+                d < 1e-3,
+                "{name}: prompt {i} then a decode step: max |Δ| {d}"
+            );
+        }
+        for (c, p) in caches.iter().zip(&prompts) {
+            assert_eq!(c.len(), p.len());
+        }
+        let mut refs: Vec<_> = caches.iter_mut().collect();
+        assert!(
+            model.prefill_batch(&[&[1]], &mut refs).is_err(),
+            "count mismatch"
+        );
+        let empty: [&[u32]; 4] = [&[], &[1], &[1], &[1]];
+        assert!(
+            model.prefill_batch(&empty, &mut refs).is_err(),
+            "empty prompt"
+        );
+        assert!(
+            model
+                .prefill_batch(&[&[1], &[1], &[1], &[1]], &mut refs)
+                .is_err(),
+            "full caches"
+        );
+    }
+}
+
 /// The stepwise fill prefill a server interleaves with decode steps gives the logits and the
 /// cache of the one-call fill prefill, with spans and without, over a prompt of several chunks.
 #[test]

@@ -66,9 +66,10 @@ pub struct Args {
     /// Generated tokens (decode test `tgN`); 0 skips it.
     #[arg(short = 'n', long = "n-gen", default_value_t = 32)]
     pub n_gen: usize,
-    /// Sequences decoded together in the decode test (one batched step each, like
-    /// llama-batched-bench), comma-separated: `tgN @ dD x bB` rows give the aggregate t/s of B
-    /// sequences, each over its own D-token context.
+    /// Batch sizes, comma-separated, like llama-batched-bench: `tgN @ dD x bB` rows give the
+    /// aggregate t/s of B sequences decoded together (one batched step each), each over its own
+    /// D-token context; `ppN x bB` rows (B > 1) the aggregate t/s of prefilling B prompts of N
+    /// tokens to their first tokens (full: one batched prefill; fill: prompt after prompt).
     #[arg(
         short = 'b',
         long = "batch",
@@ -242,6 +243,42 @@ impl Runner<'_> {
         let t = Instant::now();
         self.prefill(&ids, maps, rows)?;
         Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Seconds from `batch` prompts of `n` ids to all their first tokens: full prefill as one
+    /// batch (every weight pass shared), skip-and-fill prompt after prompt.
+    fn time_pp_batch(
+        &mut self,
+        n: usize,
+        batch: usize,
+        maps: Option<&FillMaps>,
+        rows: FillRows,
+    ) -> Result<f64> {
+        let prompts: Vec<Vec<u32>> = (0..batch).map(|_| self.ids(n)).collect();
+        let mut caches: Vec<KvCache> = (0..batch).map(|_| self.model.new_cache(n)).collect();
+        let t = Instant::now();
+        let first: Vec<u32> = match maps {
+            None => {
+                let ps: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+                let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+                let logits = to_host_f32(self.model.prefill_batch(&ps, &mut refs)?);
+                logits
+                    .chunks_exact(self.model.config.vocab_size)
+                    .map(sample::argmax)
+                    .collect()
+            }
+            Some(m) => prompts
+                .iter()
+                .zip(&mut caches)
+                .map(|(p, c)| {
+                    let l = self.model.prefill_fill(p, c, m, rows)?;
+                    Ok(sample::argmax(&to_host_f32(l)))
+                })
+                .collect::<Result<_>>()?,
+        };
+        let secs = t.elapsed().as_secs_f64();
+        debug_assert_eq!(first.len(), batch);
+        Ok(secs)
     }
 
     /// Seconds for `n_gen` batched greedy decode steps of `batch` sequences, each after an
@@ -591,10 +628,36 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
             &header,
             &modes,
             &series,
-            RowKind::Pp { n },
+            RowKind::Pp { n, batch: 1 },
             |m| (flops(m), None),
             |n| model.kv_bytes(n),
         ));
+    }
+    for &batch in a.batch.iter().filter(|&&b| b > 1) {
+        for &n in a.n_prompt.iter().filter(|&&n| n > 0) {
+            eprintln!("bench: {backend} pp{n} x b{batch}");
+            let series = alternate(&modes, true, a.reps, |m| {
+                runner.time_pp_batch(n, batch, m, modes.rows)
+            })?;
+            let flops = |m: Option<&FillMaps>| {
+                let skip = m.map(|m| Skip {
+                    split: m.split,
+                    rows: modes.rows,
+                    filled: true,
+                    adapt: m.adapt.is_some(),
+                    fill_unread: m.fill_unread,
+                });
+                prefill_flops(&model.config, n, skip) * batch as f64
+            };
+            rows.extend(make_rows(
+                &header,
+                &modes,
+                &series,
+                RowKind::Pp { n, batch },
+                |m| (flops(m), None),
+                |n| model.kv_bytes(n) * batch,
+            ));
+        }
     }
     for &batch in a.batch.iter().filter(|_| a.n_gen > 0) {
         eprintln!("bench: {backend} tg{} @ d{} x b{batch}", a.n_gen, a.n_depth);
@@ -628,6 +691,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
 enum RowKind {
     Pp {
         n: usize,
+        batch: usize,
     },
     Tg {
         n: usize,
@@ -646,7 +710,9 @@ fn make_rows(
     header_kv: impl Fn(usize) -> usize,
 ) -> Vec<Row> {
     let (test, n_prompt, n_gen, n_depth, tokens) = match kind {
-        RowKind::Pp { n } => (format!("pp{n}"), n, 0, 0, n),
+        RowKind::Pp { n, batch: 1 } => (format!("pp{n}"), n, 0, 0, n),
+        // Aggregate prompt tokens of every sequence in the batch.
+        RowKind::Pp { n, batch } => (format!("pp{n} x b{batch}"), n, 0, 0, n * batch),
         RowKind::Tg { n, depth, batch: 1 } => (format!("tg{n} @ d{depth}"), 0, n, depth, n),
         // Aggregate tokens of every sequence in the batch.
         RowKind::Tg { n, depth, batch } => (

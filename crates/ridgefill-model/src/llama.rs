@@ -962,13 +962,27 @@ impl Llama {
         (attn.swap_dims(1, 2).reshape([m, heads * hd]), kv_pre)
     }
 
-    /// The attention half of a block for one decode row per sequence (row `i` of `qkv` belongs to
-    /// `caches[i]`, at its next position). On the fused CPU path the sequences' attention runs
-    /// as one parallel job; elsewhere sequence by sequence.
+    /// The attention half of a block for several sequences' rows: the first `ns[0]` rows of
+    /// `qkv` continue `caches[0]` at its next position, the next `ns[1]` rows `caches[1]`, and so
+    /// on. On the fused CPU path the sequences' attention runs as one parallel job; elsewhere
+    /// sequence by sequence.
     ///
     /// # Shapes
-    /// - qkv: `[b, q_dim + 2·kv_dim]` → `[b, q_dim]`
-    fn attention_batch(&self, l: usize, qkv: Tensor<2>, caches: &mut [&mut KvCache]) -> Tensor<2> {
+    /// - qkv: `[Σ ns, q_dim + 2·kv_dim]` → `[Σ ns, q_dim]`
+    fn attention_batch(
+        &self,
+        l: usize,
+        qkv: Tensor<2>,
+        ns: &[usize],
+        caches: &mut [&mut KvCache],
+    ) -> Tensor<2> {
+        let offsets: Vec<usize> = ns
+            .iter()
+            .scan(0, |at, &n| {
+                *at += n;
+                Some(*at - n)
+            })
+            .collect();
         #[cfg(feature = "flex")]
         if self.fused_block(l) {
             let cfg = &self.config;
@@ -979,8 +993,8 @@ impl Llama {
                 .enumerate()
                 .map(|(i, c)| {
                     let at = At::Next(c.len());
-                    let row = qkv.clone().narrow(0, i, 1);
-                    let (q, k, v) = crate::cpu::qkv_rope(row, heads, kv_heads, rope.host(c.len()));
+                    let rows = qkv.clone().narrow(0, offsets[i], ns[i]);
+                    let (q, k, v) = crate::cpu::qkv_rope(rows, heads, kv_heads, rope.host(c.len()));
                     let seen = store(c, l, k, v, at);
                     let (k, v) = c.read(l);
                     crate::cpu::AttnItem { q, k, v, seen }
@@ -993,8 +1007,8 @@ impl Llama {
             .enumerate()
             .map(|(i, c)| {
                 let pos = c.len();
-                self.attention_rows(l, qkv.clone().narrow(0, i, 1), c, At::Next(pos))
-                    .0
+                let rows = qkv.clone().narrow(0, offsets[i], ns[i]);
+                self.attention_rows(l, rows, c, At::Next(pos)).0
             })
             .collect();
         Tensor::cat(attn, 0)
@@ -1156,15 +1170,88 @@ impl Llama {
     /// # Shapes
     /// - tokens: `[b]` → `[b, vocab]`
     pub fn decode_batch(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor<2>> {
-        if tokens.is_empty() || tokens.len() != caches.len() {
+        let rows: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.forward_batch(&rows, caches)
+    }
+
+    /// Prefill of several prompts at once, each continuing its own cache: round `k` takes chunk
+    /// `k` ([`PREFILL_CHUNK`] tokens) of every prompt that has one, and runs those rows together
+    /// ([`Llama::forward_batch`]). Row `i` of the result equals [`Llama::prefill`] of prompt `i`
+    /// alone.
+    ///
+    /// # Shapes
+    /// - prompts: `b` prompts of `n_i ≥ 1` tokens → `[b, vocab]`, the logits after each one
+    pub fn prefill_batch(
+        &self,
+        prompts: &[&[u32]],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor<2>> {
+        if prompts.is_empty() || prompts.len() != caches.len() {
             return Err(ModelError::Invalid(format!(
-                "decode_batch: {} tokens for {} caches",
+                "prefill_batch: {} prompts for {} caches",
+                prompts.len(),
+                caches.len()
+            )));
+        }
+        if prompts.iter().any(|p| p.is_empty()) {
+            return Err(ModelError::EmptyInput);
+        }
+        let rounds = prompts
+            .iter()
+            .map(|p| p.len().div_ceil(PREFILL_CHUNK))
+            .max();
+        let mut last: Vec<Option<Tensor<2>>> = vec![None; prompts.len()];
+        for k in 0..rounds.unwrap_or(0) {
+            let live: Vec<usize> = (0..prompts.len())
+                .filter(|&i| k * PREFILL_CHUNK < prompts[i].len())
+                .collect();
+            let chunks: Vec<&[u32]> = live
+                .iter()
+                .map(|&i| {
+                    let p = prompts[i];
+                    &p[k * PREFILL_CHUNK..((k + 1) * PREFILL_CHUNK).min(p.len())]
+                })
+                .collect();
+            let mut cs: Vec<&mut KvCache> = Vec::with_capacity(live.len());
+            let mut rest = &mut caches[..];
+            let mut at = 0;
+            for &i in &live {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(i - at + 1);
+                cs.push(&mut *head[i - at]);
+                rest = tail;
+                at = i + 1;
+            }
+            let logits = self.forward_batch(&chunks, &mut cs)?;
+            for (j, &i) in live.iter().enumerate() {
+                last[i] = Some(logits.clone().narrow(0, j, 1));
+            }
+        }
+        let last: Vec<Tensor<2>> = last.into_iter().flatten().collect();
+        Ok(Tensor::cat(last, 0))
+    }
+
+    /// New rows of several sequences at once, `tokens[i]` appended to `caches[i]` (a prompt
+    /// chunk, or one decode token): every projection and the MLP run as one matmul over all the
+    /// rows (the weights are read once, not once per sequence); attention runs per sequence on
+    /// its own cache. Row `i` of the result equals running `tokens[i]` alone.
+    ///
+    /// # Shapes
+    /// - tokens: `b` slices of `n_i ≥ 1` tokens → `[b, vocab]`, the logits after each slice
+    pub fn forward_batch(
+        &self,
+        tokens: &[&[u32]],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor<2>> {
+        if tokens.is_empty() || tokens.len() != caches.len() || tokens.iter().any(|t| t.is_empty())
+        {
+            return Err(ModelError::Invalid(format!(
+                "forward_batch: {} token slices (none may be empty) for {} caches",
                 tokens.len(),
                 caches.len()
             )));
         }
-        for c in caches.iter() {
-            let needed = c.len() + 1;
+        for (t, c) in tokens.iter().zip(caches.iter()) {
+            let needed = c.len() + t.len();
             if needed > c.capacity() || needed > self.rope.max_positions() {
                 return Err(ModelError::CacheFull {
                     capacity: c.capacity().min(self.rope.max_positions()),
@@ -1172,17 +1259,27 @@ impl Llama {
                 });
             }
         }
-        let mut h = self.embed(tokens)?;
+        let ns: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let mut h = self.embed(&tokens.concat())?;
         for l in 0..self.num_layers() {
             let qkv = self.qkv(l, h.clone());
-            let attn = self.attention_batch(l, qkv, caches);
+            let attn = self.attention_batch(l, qkv, &ns, caches);
             h = self.block_after_attention(l, h, attn);
         }
-        for c in caches.iter_mut() {
-            let len = c.len() + 1;
+        for (c, n) in caches.iter_mut().zip(&ns) {
+            let len = c.len() + n;
             c.set_len(len);
         }
-        Ok(self.head(h))
+        // Each sequence's last row.
+        let mut end = 0;
+        let last: Vec<Tensor<2>> = ns
+            .iter()
+            .map(|n| {
+                end += n;
+                h.clone().narrow(0, end - 1, 1)
+            })
+            .collect();
+        Ok(self.head(Tensor::cat(last, 0)))
     }
 
     fn forward_rows(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor<2>> {
