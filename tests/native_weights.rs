@@ -1,6 +1,7 @@
 //! GGUF weights kept in their block formats (`--weights native`) against the same checkpoint
 //! dequantised to f32: batches of rows dequantise a block of rows at a time into the f32 GEMM
-//! (exact up to summation order), single rows (decode, and the head of the prefill's last row)
+//! (exact up to summation order; with AVX-512 VNNI, Q4_0/Q4_1 batches stay on the integer
+//! kernels like single rows), single rows (decode, and the head of the prefill's last row)
 //! quantise the activation row to 8 bits for the integer dot products, which moves logits by
 //! about 1% of their spread and the mean NLL by well under the 0.5% issue 13 allows. SmolLM2 (Q4_1, Q8_0) and, when fetched,
 //! Gemma 3 (Q4_K, Q5_0, Q6_K, Q8_0 mixed in one fused projection).
@@ -17,7 +18,8 @@ const NLL_REL_TOL: f64 = 5e-3;
 /// Gemma 3's hidden states carry outliers hundreds of times the typical value, so 8-bit
 /// activation blocks round its small values coarsely: teacher-forced decode NLL over these 129
 /// tokens moved by 0.24%–0.88% depending only on the rounding order (scalar 0.50%, AVX2 0.88%
-/// with the same kernels), above the 0.5% SmolLM2 meets. Prefill of ≥ 16 rows is exact.
+/// with the same kernels), above the 0.5% SmolLM2 meets. Prefill of ≥ 16 rows of its types is
+/// exact.
 const GEMMA_NLL_REL_TOL: f64 = 1.2e-2;
 /// Logits from 8-bit activations: at most this share of the logits' spread off the f32 path's
 /// (a 576-wide Q8 row carries ~0.4% relative error per dot product; margin for outliers).

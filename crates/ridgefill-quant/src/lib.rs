@@ -16,7 +16,7 @@
 //!   per block, four weight rows per pass ([`SimdLevel::Avx512Vnni`] for the legacy formats,
 //!   [`SimdLevel::Avx2`], or portable [`SimdLevel::Scalar`]); a batch shares each unpacked weight
 //!   block between four activation rows.
-//! - For large batches (`m ≥` [`QWeight::f32_path_min_m`]) row chunks are
+//! - For large batches (`m ≥` [`QWeight::f32_path_min_m`], per type and level) row chunks are
 //!   dequantised into a per-thread scratch and multiplied with the `gemm` crate's f32 GEMM instead.
 //! - Work is split by output rows over one persistent [`pool`] (`RIDGEFILL_THREADS`).
 //!

@@ -234,14 +234,16 @@ impl Default for MatmulConfig {
 /// grows linearly in m (each activation row is a GEMV over the cached weight tile); the GEMM path
 /// pays a fixed dequantisation (≈ 0.15 ns per weight) and then runs at f32 GEMM speed.
 ///
-/// The AVX-512 VNNI kernels keep the same thresholds: on one thread they stay ahead of the GEMM
-/// up to m = 512 for Q4_0 / Q4_1 / Q8_0 (Xeon), but SmolLM2's whole pp512 on 2 threads runs
-/// 16% slower that way (730 against 870 t/s with the GEMM from m = 32, 64 or 128 alike).
-fn f32_path_min_m(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::Q4_0 => 48,
-        GgmlType::Q4_1 | GgmlType::Q8_0 => 32,
-        GgmlType::Q4_K => 24,
+/// With AVX-512 VNNI, Q4_0 and Q4_1 never leave the integer path: from four activation rows their
+/// row-lane kernel runs one row per vector lane, and on one thread it takes 4.7 ms at m = 256
+/// against the GEMM path's 11.5 (Xeon); SmolLM2 Q4_1's pp512 on 2 threads then matched `--weights
+/// f32` (1074 / 1036 against 1085 / 1028 t/s) where the GEMM path trailed (1029 / 985).
+fn f32_path_min_m(level: SimdLevel, ty: GgmlType) -> usize {
+    match (level, ty) {
+        (SimdLevel::Avx512Vnni, GgmlType::Q4_0 | GgmlType::Q4_1) => usize::MAX,
+        (_, GgmlType::Q4_0) => 48,
+        (_, GgmlType::Q4_1 | GgmlType::Q8_0) => 32,
+        (_, GgmlType::Q4_K) => 24,
         _ => 16,
     }
 }
@@ -364,12 +366,13 @@ impl QWeight {
         &self.parts
     }
 
-    /// Batch size from which [`MatmulPath::Auto`] dequantises and runs an f32 GEMM: the
-    /// smallest of the parts' thresholds (then the whole call takes that path).
-    pub fn f32_path_min_m(&self) -> usize {
+    /// Batch size from which [`MatmulPath::Auto`] dequantises and runs an f32 GEMM with the
+    /// kernels of `level`: the smallest of the parts' thresholds (then the whole call takes that
+    /// path).
+    pub fn f32_path_min_m(&self, level: SimdLevel) -> usize {
         self.parts
             .iter()
-            .map(|p| f32_path_min_m(p.ty))
+            .map(|p| f32_path_min_m(level, p.ty))
             .min()
             .unwrap_or(usize::MAX)
     }
@@ -441,7 +444,7 @@ impl QWeight {
         };
         let pool = cfg.parallel.then(Pool::global);
         let dequant = match cfg.path {
-            MatmulPath::Auto => m >= self.f32_path_min_m(),
+            MatmulPath::Auto => m >= self.f32_path_min_m(level),
             MatmulPath::Integer => false,
             MatmulPath::DequantGemm => true,
         };

@@ -275,6 +275,108 @@ vnni_kernel!(
     |p| { _mm256_xor_si256(load(p.add(2)), _mm256_set1_epi8(i8::MIN)) }
 );
 
+/// Rows per pass of the row-lane kernel ([`q4_tile`]): one per 32-bit lane.
+const TILE: usize = 16;
+/// Activation rows from which the row-lane kernel is used: its per-block transpose of 16 rows
+/// pays off when several activation rows share it.
+const TILE_MIN_A: usize = 4;
+
+/// Q4_0 / Q4_1 (`MIN`) over 16 weight rows with one row per 32-bit lane: each block's nibbles of
+/// the 16 rows are transposed (four bytes of every row per vector), so `vpdpbusd` against four
+/// broadcast activation bytes advances all 16 rows at once and a block needs one scale FMA for
+/// all of them, rather than one per two rows.
+///
+/// # Safety
+/// As for the kernels, with 16 rows of `row_bytes` at `w` and room for 16 values in each
+/// `outs[a]`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_tile<const A: usize, const MIN: bool>(
+    w: *const u8,
+    row_bytes: usize,
+    xs: &[Q8Row<'_>; A],
+    outs: &[*mut f32; A],
+) {
+    let ty = if MIN { GgmlType::Q4_1 } else { GgmlType::Q4_0 };
+    let ts = ty.type_size();
+    // Packed nibbles follow the f16 scale (and, for Q4_1, the f16 min).
+    let qs_at = if MIN { 4 } else { 2 };
+    // Q4_0 values are stored plus 8.
+    const Q4_0_OFFSET: f32 = -8.0;
+    let nb = xs[0].d.len();
+    let m4 = _mm512_set1_epi8(0x0F);
+    let offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(row_bytes as i32),
+    );
+    // One prefetch per row per cache line's worth of blocks.
+    let line_blocks = (64 / ts).max(1);
+    let dist = 4 * 64;
+    let mut acc = [_mm512_setzero_ps(); A];
+    let mut corr = [_mm512_setzero_ps(); A];
+    for b in 0..nb {
+        // SAFETY: block b of the 16 rows and of every x is in bounds (caller's contract).
+        unsafe {
+            let base = w.add(b * ts);
+            if b % line_blocks == 0 {
+                for r in 0..TILE {
+                    prefetch(base.add(r * row_bytes), dist);
+                }
+            }
+            let row = |r: usize| _mm_loadu_si128(base.add(r * row_bytes + qs_at) as *const __m128i);
+            // z[k]'s 128-bit lane L holds row 4L + k, so the transpose below lands row r in
+            // lane r.
+            let z: [__m512i; 4] = std::array::from_fn(|k| {
+                let v = _mm512_castsi128_si512(row(k));
+                let v = _mm512_inserti32x4::<1>(v, row(4 + k));
+                let v = _mm512_inserti32x4::<2>(v, row(8 + k));
+                _mm512_inserti32x4::<3>(v, row(12 + k))
+            });
+            let t0 = _mm512_unpacklo_epi32(z[0], z[1]);
+            let t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+            let t2 = _mm512_unpacklo_epi32(z[2], z[3]);
+            let t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+            // v[j], lane r: bytes 4j..4j+4 of row r's nibbles (values 4j.. low, 16+4j.. high).
+            let v = [
+                _mm512_unpacklo_epi64(t0, t2),
+                _mm512_unpackhi_epi64(t0, t2),
+                _mm512_unpacklo_epi64(t1, t3),
+                _mm512_unpackhi_epi64(t1, t3),
+            ];
+            let lo: [__m512i; 4] = std::array::from_fn(|j| _mm512_and_si512(v[j], m4));
+            let hi: [__m512i; 4] =
+                std::array::from_fn(|j| _mm512_and_si512(_mm512_srli_epi16::<4>(v[j]), m4));
+            // The f16 scale (low half) and min (high half) of each row's block.
+            let g = _mm512_i32gather_epi32::<1>(offsets, base as *const i32);
+            let d16 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            let c16 = if MIN {
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)))
+            } else {
+                _mm512_mul_ps(d16, _mm512_set1_ps(Q4_0_OFFSET))
+            };
+            for a in 0..A {
+                let xq = xs[a].qs.as_ptr().add(b * QK) as *const i32;
+                let mut dl = _mm512_setzero_si512();
+                let mut dh = _mm512_setzero_si512();
+                for j in 0..4 {
+                    let xl = _mm512_set1_epi32(xq.add(j).read_unaligned());
+                    let xh = _mm512_set1_epi32(xq.add(4 + j).read_unaligned());
+                    dl = _mm512_dpbusd_epi32(dl, lo[j], xl);
+                    dh = _mm512_dpbusd_epi32(dh, hi[j], xh);
+                }
+                let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dl, dh));
+                let dx = _mm512_set1_ps(*xs[a].d.get_unchecked(b));
+                acc[a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d16, dx), acc[a]);
+                let sx = _mm512_set1_ps(*xs[a].s.get_unchecked(b));
+                corr[a] = _mm512_fmadd_ps(c16, sx, corr[a]);
+            }
+        }
+    }
+    for a in 0..A {
+        // SAFETY: outs[a] has room for 16 values.
+        unsafe { _mm512_storeu_ps(outs[a], _mm512_add_ps(acc[a], corr[a])) };
+    }
+}
+
 /// The kernel of `ty` over `R ∈ {2, 4}` weight rows and `A` activation rows.
 ///
 /// # Safety
@@ -322,6 +424,18 @@ pub(super) unsafe fn gemv_rows_multi<const A: usize>(
         let at = |outs: &mut [&mut [f32]; A], r: usize| -> [*mut f32; A] {
             std::array::from_fn(|a| outs[a].as_mut_ptr().add(r))
         };
+        if A >= TILE_MIN_A && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1) {
+            while r + TILE <= n {
+                let o = at(outs, r);
+                let wr = w.as_ptr().add(r * row_bytes);
+                if ty == GgmlType::Q4_1 {
+                    q4_tile::<A, true>(wr, row_bytes, xs, &o);
+                } else {
+                    q4_tile::<A, false>(wr, row_bytes, xs, &o);
+                }
+                r += TILE;
+            }
+        }
         while r + ROWS <= n {
             let o = at(outs, r);
             legacy::<ROWS, A>(ty, w.as_ptr().add(r * row_bytes), row_bytes, xs, &o);
