@@ -234,13 +234,14 @@ impl Default for MatmulConfig {
 /// grows linearly in m (each activation row is a GEMV over the cached weight tile); the GEMM path
 /// pays a fixed dequantisation (≈ 0.15 ns per weight) and then runs at f32 GEMM speed.
 ///
-/// With AVX-512 VNNI, Q4_0 and Q4_1 never leave the integer path: from four activation rows their
-/// row-lane kernel runs one row per vector lane, and on one thread it takes 4.7 ms at m = 256
-/// against the GEMM path's 11.5 (Xeon); SmolLM2 Q4_1's pp512 on 2 threads then matched `--weights
-/// f32` (1074 / 1036 against 1085 / 1028 t/s) where the GEMM path trailed (1029 / 985).
+/// With AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 never leave the integer path: from four activation rows
+/// their row-lane kernels run one row per vector lane, and on one thread they take 4.7 (Q4_1) and
+/// 6.0 ms (Q8_0) at m = 256 against the GEMM path's 11.5 (Xeon); SmolLM2 Q4_1's pp512 on 2
+/// threads then matched `--weights f32` (1074 / 1036 against 1085 / 1028 t/s) where the GEMM
+/// path trailed (1029 / 985).
 fn f32_path_min_m(level: SimdLevel, ty: GgmlType) -> usize {
     match (level, ty) {
-        (SimdLevel::Avx512Vnni, GgmlType::Q4_0 | GgmlType::Q4_1) => usize::MAX,
+        (SimdLevel::Avx512Vnni, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) => usize::MAX,
         (_, GgmlType::Q4_0) => 48,
         (_, GgmlType::Q4_1 | GgmlType::Q8_0) => 32,
         (_, GgmlType::Q4_K) => 24,

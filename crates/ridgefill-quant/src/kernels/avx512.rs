@@ -377,6 +377,91 @@ unsafe fn q4_tile<const A: usize, const MIN: bool>(
     }
 }
 
+/// Q8_0 over 16 weight rows with one row per 32-bit lane (see [`q4_tile`]). `vpdpbusd` wants
+/// one unsigned operand: here the activation bytes plus 128 (a sign-bit flip before the
+/// broadcast) against the signed weights, and 128·Σw, the same for every activation row, is
+/// taken back once per block in integers.
+///
+/// # Safety
+/// As for [`q4_tile`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_tile<const A: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    xs: &[Q8Row<'_>; A],
+    outs: &[*mut f32; A],
+) {
+    let ts = GgmlType::Q8_0.type_size();
+    // The 32 signed bytes follow the f16 scale.
+    const QS_AT: usize = 2;
+    const FLIP: u32 = 0x8080_8080;
+    let nb = xs[0].d.len();
+    let ones = _mm512_set1_epi8(1);
+    let offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(row_bytes as i32),
+    );
+    let dist = 4 * 64;
+    let mut acc = [_mm512_setzero_ps(); A];
+    for b in 0..nb {
+        // SAFETY: block b of the 16 rows and of every x is in bounds (caller's contract).
+        unsafe {
+            let base = w.add(b * ts);
+            if b % 2 == 0 {
+                for r in 0..TILE {
+                    prefetch(base.add(r * row_bytes), dist);
+                }
+            }
+            // v[8h + j], lane r: bytes 16h + 4j.. of row r (as in q4_tile, per 16-byte half).
+            let mut v = [_mm512_setzero_si512(); 8];
+            for h in 0..2 {
+                let row = |r: usize| {
+                    _mm_loadu_si128(base.add(r * row_bytes + QS_AT + 16 * h) as *const __m128i)
+                };
+                let z: [__m512i; 4] = std::array::from_fn(|k| {
+                    let v = _mm512_castsi128_si512(row(k));
+                    let v = _mm512_inserti32x4::<1>(v, row(4 + k));
+                    let v = _mm512_inserti32x4::<2>(v, row(8 + k));
+                    _mm512_inserti32x4::<3>(v, row(12 + k))
+                });
+                let t0 = _mm512_unpacklo_epi32(z[0], z[1]);
+                let t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+                let t2 = _mm512_unpacklo_epi32(z[2], z[3]);
+                let t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+                v[4 * h] = _mm512_unpacklo_epi64(t0, t2);
+                v[4 * h + 1] = _mm512_unpackhi_epi64(t0, t2);
+                v[4 * h + 2] = _mm512_unpacklo_epi64(t1, t3);
+                v[4 * h + 3] = _mm512_unpackhi_epi64(t1, t3);
+            }
+            let mut wsum = _mm512_setzero_si512();
+            for vj in &v {
+                wsum = _mm512_dpbusd_epi32(wsum, ones, *vj);
+            }
+            let bias = _mm512_slli_epi32::<7>(wsum);
+            let g = _mm512_i32gather_epi32::<1>(offsets, base as *const i32);
+            let d16 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            for a in 0..A {
+                let xq = xs[a].qs.as_ptr().add(b * QK) as *const u32;
+                let mut d0 = _mm512_setzero_si512();
+                let mut d1 = _mm512_setzero_si512();
+                for j in 0..4 {
+                    let x0 = _mm512_set1_epi32((xq.add(j).read_unaligned() ^ FLIP) as i32);
+                    let x1 = _mm512_set1_epi32((xq.add(4 + j).read_unaligned() ^ FLIP) as i32);
+                    d0 = _mm512_dpbusd_epi32(d0, x0, v[j]);
+                    d1 = _mm512_dpbusd_epi32(d1, x1, v[4 + j]);
+                }
+                let dot = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), bias);
+                let dx = _mm512_set1_ps(*xs[a].d.get_unchecked(b));
+                acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d16, dx), acc[a]);
+            }
+        }
+    }
+    for a in 0..A {
+        // SAFETY: outs[a] has room for 16 values.
+        unsafe { _mm512_storeu_ps(outs[a], acc[a]) };
+    }
+}
+
 /// The kernel of `ty` over `R ∈ {2, 4}` weight rows and `A` activation rows.
 ///
 /// # Safety
@@ -424,14 +509,14 @@ pub(super) unsafe fn gemv_rows_multi<const A: usize>(
         let at = |outs: &mut [&mut [f32]; A], r: usize| -> [*mut f32; A] {
             std::array::from_fn(|a| outs[a].as_mut_ptr().add(r))
         };
-        if A >= TILE_MIN_A && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1) {
+        if A >= TILE_MIN_A && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
             while r + TILE <= n {
                 let o = at(outs, r);
                 let wr = w.as_ptr().add(r * row_bytes);
-                if ty == GgmlType::Q4_1 {
-                    q4_tile::<A, true>(wr, row_bytes, xs, &o);
-                } else {
-                    q4_tile::<A, false>(wr, row_bytes, xs, &o);
+                match ty {
+                    GgmlType::Q4_1 => q4_tile::<A, true>(wr, row_bytes, xs, &o),
+                    GgmlType::Q4_0 => q4_tile::<A, false>(wr, row_bytes, xs, &o),
+                    _ => q8_tile::<A>(wr, row_bytes, xs, &o),
                 }
                 r += TILE;
             }
