@@ -281,6 +281,45 @@ const TILE: usize = 16;
 /// pays off when several activation rows share it.
 const TILE_MIN_A: usize = 4;
 
+/// Byte offsets of rows 0..16, `row_bytes` apart, for a gather.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn row_offsets(row_bytes: usize) -> __m512i {
+    _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(row_bytes as i32),
+    )
+}
+
+/// The 16 bytes at `base + r·row_bytes + at` of rows r = 0..16, transposed: lane r of
+/// element j holds bytes 4j..4j+4 of row r.
+///
+/// # Safety
+/// 16 readable bytes at each of those addresses.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn transpose16(base: *const u8, row_bytes: usize, at: usize) -> [__m512i; 4] {
+    // SAFETY: guaranteed by the caller.
+    let row = |r: usize| unsafe { _mm_loadu_si128(base.add(r * row_bytes + at) as *const __m128i) };
+    // z[k]'s 128-bit lane L holds row 4L + k, so the unpacks below land row r in lane r.
+    let z: [__m512i; 4] = std::array::from_fn(|k| {
+        let v = _mm512_castsi128_si512(row(k));
+        let v = _mm512_inserti32x4::<1>(v, row(4 + k));
+        let v = _mm512_inserti32x4::<2>(v, row(8 + k));
+        _mm512_inserti32x4::<3>(v, row(12 + k))
+    });
+    let t0 = _mm512_unpacklo_epi32(z[0], z[1]);
+    let t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    let t2 = _mm512_unpacklo_epi32(z[2], z[3]);
+    let t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    [
+        _mm512_unpacklo_epi64(t0, t2),
+        _mm512_unpackhi_epi64(t0, t2),
+        _mm512_unpacklo_epi64(t1, t3),
+        _mm512_unpackhi_epi64(t1, t3),
+    ]
+}
+
 /// Q4_0 / Q4_1 (`MIN`) over 16 weight rows with one row per 32-bit lane: each block's nibbles of
 /// the 16 rows are transposed (four bytes of every row per vector), so `vpdpbusd` against four
 /// broadcast activation bytes advances all 16 rows at once and a block needs one scale FMA for
@@ -304,10 +343,7 @@ unsafe fn q4_tile<const A: usize, const MIN: bool>(
     const Q4_0_OFFSET: f32 = -8.0;
     let nb = xs[0].d.len();
     let m4 = _mm512_set1_epi8(0x0F);
-    let offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(row_bytes as i32),
-    );
+    let offsets = row_offsets(row_bytes);
     // One prefetch per row per cache line's worth of blocks.
     let line_blocks = (64 / ts).max(1);
     let dist = 4 * 64;
@@ -322,26 +358,8 @@ unsafe fn q4_tile<const A: usize, const MIN: bool>(
                     prefetch(base.add(r * row_bytes), dist);
                 }
             }
-            let row = |r: usize| _mm_loadu_si128(base.add(r * row_bytes + qs_at) as *const __m128i);
-            // z[k]'s 128-bit lane L holds row 4L + k, so the transpose below lands row r in
-            // lane r.
-            let z: [__m512i; 4] = std::array::from_fn(|k| {
-                let v = _mm512_castsi128_si512(row(k));
-                let v = _mm512_inserti32x4::<1>(v, row(4 + k));
-                let v = _mm512_inserti32x4::<2>(v, row(8 + k));
-                _mm512_inserti32x4::<3>(v, row(12 + k))
-            });
-            let t0 = _mm512_unpacklo_epi32(z[0], z[1]);
-            let t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-            let t2 = _mm512_unpacklo_epi32(z[2], z[3]);
-            let t3 = _mm512_unpackhi_epi32(z[2], z[3]);
             // v[j], lane r: bytes 4j..4j+4 of row r's nibbles (values 4j.. low, 16+4j.. high).
-            let v = [
-                _mm512_unpacklo_epi64(t0, t2),
-                _mm512_unpackhi_epi64(t0, t2),
-                _mm512_unpacklo_epi64(t1, t3),
-                _mm512_unpackhi_epi64(t1, t3),
-            ];
+            let v = transpose16(base, row_bytes, qs_at);
             let lo: [__m512i; 4] = std::array::from_fn(|j| _mm512_and_si512(v[j], m4));
             let hi: [__m512i; 4] =
                 std::array::from_fn(|j| _mm512_and_si512(_mm512_srli_epi16::<4>(v[j]), m4));
@@ -397,42 +415,26 @@ unsafe fn q8_tile<const A: usize>(
     const FLIP: u32 = 0x8080_8080;
     let nb = xs[0].d.len();
     let ones = _mm512_set1_epi8(1);
-    let offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(row_bytes as i32),
-    );
+    let offsets = row_offsets(row_bytes);
+    // One prefetch per row per cache line's worth of blocks.
+    let line_blocks = 64usize.div_ceil(ts);
     let dist = 4 * 64;
     let mut acc = [_mm512_setzero_ps(); A];
     for b in 0..nb {
         // SAFETY: block b of the 16 rows and of every x is in bounds (caller's contract).
         unsafe {
             let base = w.add(b * ts);
-            if b % 2 == 0 {
+            if b % line_blocks == 0 {
                 for r in 0..TILE {
                     prefetch(base.add(r * row_bytes), dist);
                 }
             }
-            // v[8h + j], lane r: bytes 16h + 4j.. of row r (as in q4_tile, per 16-byte half).
-            let mut v = [_mm512_setzero_si512(); 8];
-            for h in 0..2 {
-                let row = |r: usize| {
-                    _mm_loadu_si128(base.add(r * row_bytes + QS_AT + 16 * h) as *const __m128i)
-                };
-                let z: [__m512i; 4] = std::array::from_fn(|k| {
-                    let v = _mm512_castsi128_si512(row(k));
-                    let v = _mm512_inserti32x4::<1>(v, row(4 + k));
-                    let v = _mm512_inserti32x4::<2>(v, row(8 + k));
-                    _mm512_inserti32x4::<3>(v, row(12 + k))
-                });
-                let t0 = _mm512_unpacklo_epi32(z[0], z[1]);
-                let t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-                let t2 = _mm512_unpacklo_epi32(z[2], z[3]);
-                let t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-                v[4 * h] = _mm512_unpacklo_epi64(t0, t2);
-                v[4 * h + 1] = _mm512_unpackhi_epi64(t0, t2);
-                v[4 * h + 2] = _mm512_unpacklo_epi64(t1, t3);
-                v[4 * h + 3] = _mm512_unpackhi_epi64(t1, t3);
-            }
+            // v[4h + j], lane r: bytes 16h + 4j..16h + 4j + 4 of row r.
+            let (v0, v1) = (
+                transpose16(base, row_bytes, QS_AT),
+                transpose16(base, row_bytes, QS_AT + 16),
+            );
+            let v = [v0[0], v0[1], v0[2], v0[3], v1[0], v1[1], v1[2], v1[3]];
             let mut wsum = _mm512_setzero_si512();
             for vj in &v {
                 wsum = _mm512_dpbusd_epi32(wsum, ones, *vj);
