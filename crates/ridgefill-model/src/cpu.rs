@@ -658,24 +658,9 @@ pub fn fill_kv(
     (wrap(k, shape), wrap(v, shape))
 }
 
-/// Causal grouped-query attention, heads merged on output: query row `i` sees the first
-/// `seen[i]` keys (non-decreasing), or with `seen` empty the rows are the last `n` of `t`
-/// positions. Each task takes one head and a block of query rows and multiplies only the keys
-/// its rows see.
-///
-/// # Shapes
-/// - q: `[1, heads, n, hd]`, k/v: `[1, kv_heads, t, hd]` (t ≥ n) → `[n, heads·hd]`
-pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, seen: &[usize]) -> Tensor<2> {
-    attention_many(vec![AttnItem {
-        q,
-        k,
-        v,
-        seen: seen.to_vec(),
-    }])
-}
-
-/// One sequence's share of [`attention_many`]: its queries, its whole K/V and `seen` as for
-/// [`attention`].
+/// One sequence's share of [`attention_many`]: its queries `[1, heads, n, hd]`, its whole
+/// K/V `[1, kv_heads, t, hd]` (t ≥ n), and `seen`: query row `i` sees the first `seen[i]` keys
+/// (non-decreasing), or with `seen` empty the rows are the last `n` of `t` positions.
 pub struct AttnItem {
     pub q: Tensor<4>,
     pub k: Tensor<4>,
@@ -683,12 +668,13 @@ pub struct AttnItem {
     pub seen: Vec<usize>,
 }
 
-/// [`attention`] for several sequences at once (batched decode): the (sequence, head, query
-/// block) tasks of all of them share one parallel dispatch, where one decode row's attention
-/// alone is too small to split.
+/// Causal grouped-query attention of one or more sequences, heads merged on output. Each task
+/// takes one sequence's head (a decode row: its whole GQA group) and block of query rows and
+/// multiplies only the keys its rows see; the tasks of all sequences share one parallel
+/// dispatch, where one decode row's attention alone is too small to split.
 ///
 /// # Shapes
-/// - items: as for [`attention`], same heads and head size → `[Σ n, heads·hd]`, rows in order
+/// - items: same heads and head size → `[Σ n, heads·hd]`, rows in order
 pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     struct Prep {
         q: FlexTensor,

@@ -941,14 +941,8 @@ impl Llama {
         let rope = self.rope_of(l);
         #[cfg(feature = "flex")]
         if self.fused_block(l) {
-            let rot = match at {
-                At::Next(pos) => rope.host(pos),
-                At::Rows(p) => rope.host_at(0, p),
-            };
-            let (q, k, v) = crate::cpu::qkv_rope(qkv, heads, kv_heads, rot);
-            let seen = store(cache, l, k, v, at);
-            let (k_all, v_all) = cache.read(l);
-            return (crate::cpu::attention(q, k_all, v_all, &seen), kv_pre);
+            let item = self.fused_attention_item(l, qkv, cache, at);
+            return (crate::cpu::attention_many(vec![item]), kv_pre);
         }
         let rotate = |x: Tensor<4>| match at {
             At::Next(pos) => rope.apply(x, pos),
@@ -960,6 +954,32 @@ impl Llama {
         let (k_all, v_all) = cache.read(l);
         let attn = self.attend(q, k_all, v_all, heads, kv_heads, &seen, layer.window);
         (attn.swap_dims(1, 2).reshape([m, heads * hd]), kv_pre)
+    }
+
+    /// The fused CPU path's RoPE and cache write of one sequence's rows, and what its attention
+    /// reads: the rows' queries and the layer's whole K/V.
+    ///
+    /// # Shapes
+    /// - qkv: `[m, q_dim + 2·kv_dim]`
+    #[cfg(feature = "flex")]
+    fn fused_attention_item(
+        &self,
+        l: usize,
+        qkv: Tensor<2>,
+        cache: &mut KvCache,
+        at: At,
+    ) -> crate::cpu::AttnItem {
+        let cfg = &self.config;
+        let rope = self.rope_of(l);
+        let rot = match at {
+            At::Next(pos) => rope.host(pos),
+            At::Rows(p) => rope.host_at(0, p),
+        };
+        let (q, k, v) =
+            crate::cpu::qkv_rope(qkv, cfg.num_attention_heads, cfg.num_key_value_heads, rot);
+        let seen = store(cache, l, k, v, at);
+        let (k, v) = cache.read(l);
+        crate::cpu::AttnItem { q, k, v, seen }
     }
 
     /// The attention half of a block for several sequences' rows: the first `ns[0]` rows of
@@ -985,19 +1005,13 @@ impl Llama {
             .collect();
         #[cfg(feature = "flex")]
         if self.fused_block(l) {
-            let cfg = &self.config;
-            let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-            let rope = self.rope_of(l);
             let items = caches
                 .iter_mut()
                 .enumerate()
                 .map(|(i, c)| {
-                    let at = At::Next(c.len());
                     let rows = qkv.clone().narrow(0, offsets[i], ns[i]);
-                    let (q, k, v) = crate::cpu::qkv_rope(rows, heads, kv_heads, rope.host(c.len()));
-                    let seen = store(c, l, k, v, at);
-                    let (k, v) = c.read(l);
-                    crate::cpu::AttnItem { q, k, v, seen }
+                    let at = At::Next(c.len());
+                    self.fused_attention_item(l, rows, c, at)
                 })
                 .collect();
             return crate::cpu::attention_many(items);
@@ -1212,15 +1226,12 @@ impl Llama {
                     &p[k * PREFILL_CHUNK..((k + 1) * PREFILL_CHUNK).min(p.len())]
                 })
                 .collect();
-            let mut cs: Vec<&mut KvCache> = Vec::with_capacity(live.len());
-            let mut rest = &mut caches[..];
-            let mut at = 0;
-            for &i in &live {
-                let (head, tail) = std::mem::take(&mut rest).split_at_mut(i - at + 1);
-                cs.push(&mut *head[i - at]);
-                rest = tail;
-                at = i + 1;
-            }
+            let mut cs: Vec<&mut KvCache> = caches
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| k * PREFILL_CHUNK < prompts[*i].len())
+                .map(|(_, c)| &mut **c)
+                .collect();
             let logits = self.forward_batch(&chunks, &mut cs)?;
             for (j, &i) in live.iter().enumerate() {
                 last[i] = Some(logits.clone().narrow(0, j, 1));
