@@ -246,7 +246,8 @@ impl Runner<'_> {
     }
 
     /// Seconds from `batch` prompts of `n` ids to all their first tokens: full prefill as one
-    /// batch (every weight pass shared), skip-and-fill prompt after prompt.
+    /// batch (every weight pass shared), skip-and-fill prompt after prompt; one prompt as
+    /// [`Runner::time_pp`].
     fn time_pp_batch(
         &mut self,
         n: usize,
@@ -254,6 +255,9 @@ impl Runner<'_> {
         maps: Option<&FillMaps>,
         rows: FillRows,
     ) -> Result<f64> {
+        if batch == 1 {
+            return self.time_pp(n, maps, rows);
+        }
         let prompts: Vec<Vec<u32>> = (0..batch).map(|_| self.ids(n)).collect();
         let mut caches: Vec<KvCache> = (0..batch).map(|_| self.model.new_cache(n)).collect();
         let t = Instant::now();
@@ -608,34 +612,12 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
         cache: model.new_cache(capacity),
     };
     let mut rows = Vec::new();
-    for &n in &a.n_prompt {
-        if n == 0 {
-            continue;
-        }
-        eprintln!("bench: {backend} pp{n}");
-        let series = alternate(&modes, true, a.reps, |m| runner.time_pp(n, m, modes.rows))?;
-        let flops = |m: Option<&FillMaps>| {
-            let skip = m.map(|m| Skip {
-                split: m.split,
-                rows: modes.rows,
-                filled: true,
-                adapt: m.adapt.is_some(),
-                fill_unread: m.fill_unread,
-            });
-            prefill_flops(&model.config, n, skip)
-        };
-        rows.extend(make_rows(
-            &header,
-            &modes,
-            &series,
-            RowKind::Pp { n, batch: 1 },
-            |m| (flops(m), None),
-            |n| model.kv_bytes(n),
-        ));
-    }
-    for &batch in a.batch.iter().filter(|&&b| b > 1) {
+    // Single prompts first, then batches of them.
+    let pp_batches = std::iter::once(1).chain(a.batch.iter().copied().filter(|&b| b > 1));
+    for batch in pp_batches {
         for &n in a.n_prompt.iter().filter(|&&n| n > 0) {
-            eprintln!("bench: {backend} pp{n} x b{batch}");
+            let kind = RowKind::Pp { n, batch };
+            eprintln!("bench: {backend} {}", kind.label());
             let series = alternate(&modes, true, a.reps, |m| {
                 runner.time_pp_batch(n, batch, m, modes.rows)
             })?;
@@ -653,7 +635,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
                 &header,
                 &modes,
                 &series,
-                RowKind::Pp { n, batch },
+                kind,
                 |m| (flops(m), None),
                 |n| model.kv_bytes(n) * batch,
             ));
@@ -700,6 +682,18 @@ enum RowKind {
     },
 }
 
+impl RowKind {
+    /// The row's `test` column, llama-bench style.
+    fn label(&self) -> String {
+        match *self {
+            RowKind::Pp { n, batch: 1 } => format!("pp{n}"),
+            RowKind::Pp { n, batch } => format!("pp{n} x b{batch}"),
+            RowKind::Tg { n, depth, batch: 1 } => format!("tg{n} @ d{depth}"),
+            RowKind::Tg { n, depth, batch } => format!("tg{n} @ d{depth} x b{batch}"),
+        }
+    }
+}
+
 /// Turns the per-mode series into rows; `work(mode)` = (FLOPs, bytes) of one run.
 fn make_rows(
     header: &Header,
@@ -709,19 +703,11 @@ fn make_rows(
     work: impl Fn(Option<&FillMaps>) -> (f64, Option<f64>),
     header_kv: impl Fn(usize) -> usize,
 ) -> Vec<Row> {
-    let (test, n_prompt, n_gen, n_depth, tokens) = match kind {
-        RowKind::Pp { n, batch: 1 } => (format!("pp{n}"), n, 0, 0, n),
-        // Aggregate prompt tokens of every sequence in the batch.
-        RowKind::Pp { n, batch } => (format!("pp{n} x b{batch}"), n, 0, 0, n * batch),
-        RowKind::Tg { n, depth, batch: 1 } => (format!("tg{n} @ d{depth}"), 0, n, depth, n),
+    let test = kind.label();
+    let (n_prompt, n_gen, n_depth, tokens) = match kind {
         // Aggregate tokens of every sequence in the batch.
-        RowKind::Tg { n, depth, batch } => (
-            format!("tg{n} @ d{depth} x b{batch}"),
-            0,
-            n,
-            depth,
-            n * batch,
-        ),
+        RowKind::Pp { n, batch } => (n, 0, 0, n * batch),
+        RowKind::Tg { n, depth, batch } => (0, n, depth, n * batch),
     };
     let full_ts: Vec<f64> = series[0].secs.iter().map(|s| tokens as f64 / s).collect();
     modes
