@@ -732,21 +732,7 @@ fn chunked_prefill_equals_one_pass() {
 fn batched_decode_equals_each_sequence_alone() {
     common::init();
     let lens = [5usize, 33, 12];
-    let mut models: Vec<(String, Llama)> = [true, false]
-        .into_iter()
-        .map(|k| (format!("dense, kernels {k}"), gqa_model(3, k)))
-        .collect();
-    let q4 = Llama::random_with(
-        gqa_model(3, true).config.clone(),
-        &Device::flex(),
-        FloatDType::F32,
-        WeightFormat::Native,
-        512,
-        3,
-    )
-    .unwrap();
-    models.push(("Q4_0".into(), q4));
-    for (name, model) in &models {
+    for (name, model) in &batch_models(512, 3) {
         let vocab = model.config.vocab_size;
         let prompts: Vec<Vec<u32>> = lens
             .iter()
@@ -793,6 +779,26 @@ fn batched_decode_equals_each_sequence_alone() {
     }
 }
 
+/// The models the batching tests run: dense with and without the fused kernels, and Q4_0
+/// blocks (named "Q4_0") holding `max_positions` positions, drawn from `seed`.
+fn batch_models(max_positions: usize, seed: u64) -> Vec<(String, Llama)> {
+    let mut models: Vec<(String, Llama)> = [true, false]
+        .into_iter()
+        .map(|k| (format!("dense, kernels {k}"), gqa_model(3, k)))
+        .collect();
+    let q4 = Llama::random_with(
+        gqa_model(3, true).config.clone(),
+        &Device::flex(),
+        FloatDType::F32,
+        WeightFormat::Native,
+        max_positions,
+        seed,
+    )
+    .unwrap();
+    models.push(("Q4_0".into(), q4));
+    models
+}
+
 /// Prefill of several prompts at once (rows of different sequences stacked in every matmul,
 /// prompts longer than one chunk taking several rounds) gives each prompt's logits and cache
 /// as its own prefill does: dense with and without the fused kernels, and Q4_0 blocks. The Q4_0
@@ -802,25 +808,13 @@ fn batched_decode_equals_each_sequence_alone() {
 fn batched_prefill_equals_each_prompt_alone() {
     common::init();
     let chunk = ridgefill::model::llama::PREFILL_CHUNK;
-    let mut models: Vec<(String, Llama, Vec<usize>)> = [true, false]
-        .into_iter()
-        .map(|k| {
-            let lens = vec![7, chunk + 40, 1, 64];
-            (format!("dense, kernels {k}"), gqa_model(3, k), lens)
-        })
-        .collect();
-    let q4 = Llama::random_with(
-        gqa_model(3, true).config.clone(),
-        &Device::flex(),
-        FloatDType::F32,
-        WeightFormat::Native,
-        1024,
-        5,
-    )
-    .unwrap();
-    // 40 rows in all: below Q4_0's integer-kernel limit of 48.
-    models.push(("Q4_0".into(), q4, vec![7, 1, 12, 20]));
-    for (name, model, lens) in &models {
+    for (name, model) in &batch_models(1024, 5) {
+        let lens = if name == "Q4_0" {
+            // 40 rows in all: below Q4_0's integer-kernel limit of 48.
+            vec![7, 1, 12, 20]
+        } else {
+            vec![7, chunk + 40, 1, 64]
+        };
         let vocab = model.config.vocab_size;
         let prompts: Vec<Vec<u32>> = lens
             .iter()
