@@ -104,10 +104,10 @@ fn heads4(x: &FlexTensor) -> (&[f32], usize, isize) {
 /// Defines `fn $name` that runs its body compiled for AVX-512 or AVX2+FMA when the CPU has them,
 /// so the body's loops vectorise wide whatever the build's target CPU.
 macro_rules! simd_fn {
-    ($(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
         $(#[$m])*
         #[allow(clippy::too_many_arguments)]
-        fn $name($($a: $t),*) {
+        $vis fn $name($($a: $t),*) {
             #[inline(always)]
             fn inner($($a: $t),*) $body
             #[cfg(target_arch = "x86_64")]
@@ -365,7 +365,7 @@ simd_fn! {
 simd_fn! {
     /// Masked softmax over score rows of width `kv_end`; row `i` sees its first `live[i]` keys
     /// and the rest are zeroed.
-    fn softmax_rows(scores: &mut [f32], kv_end: usize, live: &[usize]) {
+    pub(crate) fn softmax_rows(scores: &mut [f32], kv_end: usize, live: &[usize]) {
         for (row, &seen) in scores.chunks_exact_mut(kv_end).zip(live) {
             let (live, masked) = row.split_at_mut(seen);
             let max = max_of(live);
@@ -825,10 +825,61 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             );
         }
     };
+    #[cfg(target_arch = "x86_64")]
+    let group_kernel = crate::attn_x86::available(hd);
+    // A decode task's GQA group through the hand-written kernel: each K/V row read once.
+    #[cfg(target_arch = "x86_64")]
+    let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize| -> bool {
+        let (qs, q_head, q_row) = heads4(&it.q);
+        let (ks, k_head, k_row) = heads4(&it.k);
+        let (vs, v_head, v_row) = heads4(&it.v);
+        if !group_kernel || it.heads_per_job != group || k_row <= 0 || v_row <= 0 {
+            return false;
+        }
+        let r0 = b * QUERY_BLOCK;
+        let rb = QUERY_BLOCK.min(it.n - r0);
+        let (k0, v0) = (&ks[hg * k_head..], &vs[hg * v_head..]);
+        for i in 0..rb {
+            let live = it.seen[r0 + i];
+            assert!(
+                live >= 1 && (live - 1) * k_row as usize + hd <= k0.len(),
+                "attention_many: row sees {live} keys past the cache"
+            );
+            assert!((live - 1) * v_row as usize + hd <= v0.len());
+            let q: Vec<&[f32]> = (hg * group..(hg + 1) * group)
+                .map(|h| &qs[h * q_head + (r0 + i) * q_row as usize..][..hd])
+                .collect();
+            let at = (it.row0 + r0 + i) * width + hg * group * hd;
+            // SAFETY: this task alone writes its rows' columns of its group's heads.
+            let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), group * hd) };
+            let mut outs: Vec<&mut [f32]> = row.chunks_exact_mut(hd).collect();
+            // SAFETY: `available(hd)` checked; keys and values j < live are inside k0 / v0
+            // (asserted above).
+            unsafe {
+                crate::attn_x86::group_row(
+                    &q,
+                    k0.as_ptr(),
+                    k_row as usize,
+                    v0.as_ptr(),
+                    v_row as usize,
+                    live,
+                    scale,
+                    scores,
+                    &mut outs,
+                )
+            };
+        }
+        true
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let group_rows = |_: &mut Vec<f32>, _: &Prep, _: usize, _: usize| false;
     let task = |scores: &mut Vec<f32>, job: usize| {
         let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
         let j = job - it.job0;
         let (hg, b) = (j / it.blocks, j % it.blocks);
+        if group_rows(scores, it, hg, b) {
+            return;
+        }
         for h in hg * it.heads_per_job..(hg + 1) * it.heads_per_job {
             one_head(scores, it, h, b);
         }
@@ -863,6 +914,7 @@ impl SendPtr {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::TensorData;
 
     #[test]
     fn exp_is_within_a_few_ulp_of_std() {
@@ -877,6 +929,85 @@ mod tests {
         // Far below the range: clamped to a tiny positive value, never NaN or a negative.
         let tiny = exp(-1.0e4);
         assert!((0.0..1e-37).contains(&tiny), "exp(-1e4) = {tiny}");
+    }
+
+    /// Naive attention of one query row against the first `live` keys of one K/V head.
+    fn naive_row(q: &[f32], k: &[f32], v: &[f32], hd: usize, live: usize) -> Vec<f32> {
+        let scale = 1.0 / (hd as f32).sqrt();
+        let s: Vec<f64> = (0..live)
+            .map(|j| (0..hd).map(|d| (q[d] * k[j * hd + d]) as f64).sum::<f64>() * scale as f64)
+            .collect();
+        let m = s.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+        (0..hd)
+            .map(|d| {
+                (0..live)
+                    .map(|j| (s[j] - m).exp() / z * v[j * hd + d] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decode_attention_matches_naive() {
+        let device = Device::default();
+        let (heads, kv_heads) = (9, 3);
+        for hd in [64, 128, 48] {
+            // Cache lengths around the 16-key blocks, sequences batched into one call.
+            let lens = [1usize, 15, 16, 17, 40];
+            let mut seed = 7u32;
+            let mut rnd = |n: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                        (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+                    })
+                    .collect()
+            };
+            let data: Vec<_> = lens
+                .iter()
+                .map(|&t| {
+                    (
+                        rnd(heads * hd),
+                        rnd(kv_heads * t * hd),
+                        rnd(kv_heads * t * hd),
+                    )
+                })
+                .collect();
+            let items = data
+                .iter()
+                .zip(lens)
+                .map(|((q, k, v), t)| AttnItem {
+                    q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, 1, hd]), &device),
+                    k: Tensor::from_data(TensorData::new(k.clone(), [1, kv_heads, t, hd]), &device),
+                    v: Tensor::from_data(TensorData::new(v.clone(), [1, kv_heads, t, hd]), &device),
+                    seen: Vec::new(),
+                })
+                .collect();
+            let got = attention_many(items)
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            for (s, ((q, k, v), t)) in data.iter().zip(lens).enumerate() {
+                for h in 0..heads {
+                    let kh = h / (heads / kv_heads);
+                    let want = naive_row(
+                        &q[h * hd..][..hd],
+                        &k[kh * t * hd..][..t * hd],
+                        &v[kh * t * hd..][..t * hd],
+                        hd,
+                        t,
+                    );
+                    let row = &got[s * heads * hd + h * hd..][..hd];
+                    for (d, (a, b)) in row.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() < 1e-4,
+                            "hd {hd} seq {s} head {h} col {d}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! The model owns only weights; the KV cache and positions live outside it ([`KvCache`]), so one
 //! loaded model serves full prefill, skip-and-fill prefill, decode and scoring alike.
 
+#[cfg(all(target_arch = "x86_64", feature = "flex"))]
+mod attn_x86;
 pub mod cache;
 #[cfg(feature = "flex")]
 pub mod cpu;

@@ -1,0 +1,210 @@
+//! AVX-512 decode attention for one GQA group: the query heads that share a K/V head are scored
+//! against each key while its row is in L1, and weighted with each value row read once.
+//!
+//! Written by hand because the portable loops in `cpu.rs` leave a horizontal sum per key and
+//! head: the compiler vectorised `dot_scores` two floats wide without FMA, and it was 16% of an
+//! eight-sequence decode step (docs/BENCHMARKS.md). Here sixteen keys' partial sums are reduced
+//! together by a shuffle tree (about three instructions per key).
+
+use std::arch::x86_64::*;
+
+/// f32 lanes per vector.
+const W: usize = 16;
+/// Keys scored per pass: one vector of partial sums each, reduced together.
+const KEY_BLOCK: usize = 16;
+/// Vector accumulators the value pass keeps in registers (of 32), split among the heads.
+const VALUE_REGS: usize = 16;
+/// Keys ahead whose K (and V) lines are prefetched while the first head is scored.
+const PREFETCH_KEYS: usize = 16;
+
+/// Whether the CPU runs these kernels and `hd` is one they take.
+pub fn available(hd: usize) -> bool {
+    matches!(hd / W, 4 | 8 | 16)
+        && hd.is_multiple_of(W)
+        && std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// One query row per head of a GQA group against the group's first `n` keys:
+/// `outs[h] = softmax(scale · K qs[h]) V`.
+///
+/// # Safety
+/// [`available`]`(hd)` holds for `hd = qs[h].len()` (the same for every head and `outs[h]`);
+/// keys `j < n` are at `ks + j·k_row` and values at `vs + j·v_row`, `hd` readable floats each;
+/// `n ≥ 1`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn group_row(
+    qs: &[&[f32]],
+    ks: *const f32,
+    k_row: usize,
+    vs: *const f32,
+    v_row: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    outs: &mut [&mut [f32]],
+) {
+    let g = qs.len();
+    scores.clear();
+    scores.resize(g * n, 0.0);
+    // SAFETY: forwarded from the caller; `available` checked the CPU and `hd`.
+    unsafe {
+        match qs[0].len() / W {
+            4 => run::<4>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
+            8 => run::<8>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
+            _ => run::<16>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn run<const D: usize>(
+    qs: &[&[f32]],
+    ks: *const f32,
+    k_row: usize,
+    vs: *const f32,
+    v_row: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    outs: &mut [&mut [f32]],
+) {
+    // SAFETY: the caller's contract covers every key and value row read below.
+    unsafe {
+        for (h, q) in qs.iter().enumerate() {
+            let row = &mut scores[h * n..][..n];
+            scores_of::<D>(q.as_ptr(), ks, k_row, vs, v_row, scale, row, h == 0);
+            crate::cpu::softmax_rows(row, n, &[n]);
+        }
+        match VALUE_REGS / D {
+            4 => weigh::<D, 4>(scores, n, vs, v_row, outs),
+            2 => weigh::<D, 2>(scores, n, vs, v_row, outs),
+            _ => weigh::<D, 1>(scores, n, vs, v_row, outs),
+        }
+    }
+}
+
+/// `row[j] = scale · q·k_j`; the first head of a group prefetches the K and V rows ahead.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_of<const D: usize>(
+    q: *const f32,
+    ks: *const f32,
+    k_row: usize,
+    vs: *const f32,
+    v_row: usize,
+    scale: f32,
+    row: &mut [f32],
+    prefetch: bool,
+) {
+    let n = row.len();
+    // SAFETY: q has D vectors; keys j < n are readable (caller); prefetches never fault.
+    unsafe {
+        let qv: [__m512; D] = std::array::from_fn(|c| _mm512_loadu_ps(q.add(c * W)));
+        let sc = _mm512_set1_ps(scale);
+        let mut j0 = 0;
+        while j0 < n {
+            let count = KEY_BLOCK.min(n - j0);
+            let mut acc = [_mm512_setzero_ps(); KEY_BLOCK];
+            for (kk, a) in acc.iter_mut().enumerate().take(count) {
+                let j = j0 + kk;
+                let k = ks.add(j * k_row);
+                if prefetch {
+                    for c in 0..D {
+                        let ahead = (j + PREFETCH_KEYS) * k_row + c * W;
+                        _mm_prefetch::<_MM_HINT_T0>(ks.wrapping_add(ahead) as *const i8);
+                        let v_ahead = j * v_row + c * W;
+                        _mm_prefetch::<_MM_HINT_T0>(vs.wrapping_add(v_ahead) as *const i8);
+                    }
+                }
+                let mut s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                for (c, qc) in qv.iter().enumerate().skip(1) {
+                    s = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(k.add(c * W)), s);
+                }
+                *a = s;
+            }
+            let sums = _mm512_mul_ps(reduce16(&acc), sc);
+            let mask: __mmask16 = if count == KEY_BLOCK {
+                !0
+            } else {
+                (1 << count) - 1
+            };
+            _mm512_mask_storeu_ps(row.as_mut_ptr().add(j0), mask, sums);
+            j0 += count;
+        }
+    }
+}
+
+/// Lane `k` = the sum of `v[k]`'s lanes: pairs of vectors are folded in halves, then quarters,
+/// then within 128-bit blocks, which leaves the keys in the order undone by the last permute.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn reduce16(v: &[__m512; KEY_BLOCK]) -> __m512 {
+    // Halves: key 2i in the low 256 bits, 2i+1 in the high.
+    let w: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        )
+    });
+    // Quarters: 128-bit block b holds key 4i + b.
+    let x: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (w[2 * i], w[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        )
+    });
+    // Within blocks: lanes 0, 2 of block b hold key 8i + b, lanes 1, 3 key 8i + 4 + b.
+    let y: [__m512; 2] = std::array::from_fn(|i| {
+        let (a, b) = (x[2 * i], x[2 * i + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+    });
+    // Lane 4b + {0, 1, 2, 3} holds key b, 8 + b, 4 + b, 12 + b.
+    let z = _mm512_add_ps(
+        _mm512_unpacklo_ps(y[0], y[1]),
+        _mm512_unpackhi_ps(y[0], y[1]),
+    );
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(order, z)
+}
+
+/// `outs[h] = Σ_j p[h][j] v_j`, `H` heads at a time so each value row is read once per `H`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn weigh<const D: usize, const H: usize>(
+    p: &[f32],
+    n: usize,
+    vs: *const f32,
+    v_row: usize,
+    outs: &mut [&mut [f32]],
+) {
+    let g = outs.len();
+    let mut h0 = 0;
+    while h0 < g {
+        let hc = H.min(g - h0);
+        let mut acc = [[_mm512_setzero_ps(); D]; H];
+        // SAFETY: values j < n are readable (caller); p holds g rows of n.
+        unsafe {
+            for j in 0..n {
+                let v = vs.add(j * v_row);
+                let vv: [__m512; D] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
+                for (h, a) in acc.iter_mut().enumerate().take(hc) {
+                    let w = _mm512_set1_ps(*p.get_unchecked((h0 + h) * n + j));
+                    for c in 0..D {
+                        a[c] = _mm512_fmadd_ps(w, vv[c], a[c]);
+                    }
+                }
+            }
+            for (h, a) in acc.iter().enumerate().take(hc) {
+                let o = outs[h0 + h].as_mut_ptr();
+                for (c, v) in a.iter().enumerate() {
+                    _mm512_storeu_ps(o.add(c * W), *v);
+                }
+            }
+        }
+        h0 += hc;
+    }
+}
