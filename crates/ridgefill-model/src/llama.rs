@@ -16,7 +16,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData, activation};
 use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_io::config::{Activation, ModelConfig};
-use ridgefill_quant::{QMatrix, QWeight, WeightBytes};
+use ridgefill_quant::{QMatrix, QWeight, SimdLevel, WeightBytes};
 
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
@@ -260,12 +260,18 @@ impl Loader<'_> {
                             shape: vec![*out, inp],
                         });
                     }
+                    let mapped = st.bytes.clone();
                     let bytes = WeightBytes::from_owner(Arc::new(st.bytes), |b| &b[..]);
                     let m = match QMatrix::new(st.ty, *out, inp, bytes) {
                         Err(ridgefill_quant::QError::Unsupported(_)) => return Ok(None),
                         m => m.map_err(bad)?,
                     };
                     self.check_finite(name, &m)?;
+                    let m = m.prepared_for(SimdLevel::detect());
+                    if m.is_row_lanes() {
+                        // Rearranged into a copy: the mapped original need not stay resident.
+                        mapped.evict();
+                    }
                     m
                 }
                 // f32 stays dense; f16 and q8 are converted here.
@@ -280,7 +286,9 @@ impl Loader<'_> {
                     else {
                         return Ok(None);
                     };
-                    QMatrix::new(ty, *out, inp, WeightBytes::from_vec(bytes)).map_err(bad)?
+                    QMatrix::new(ty, *out, inp, WeightBytes::from_vec(bytes))
+                        .map_err(bad)?
+                        .prepared_for(SimdLevel::detect())
                 }
             };
             mats.push(m);

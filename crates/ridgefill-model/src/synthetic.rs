@@ -7,7 +7,7 @@ use std::sync::Arc;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use ridgefill_io::GgmlType;
 use ridgefill_io::config::ModelConfig;
-use ridgefill_quant::{QMatrix, QWeight, WeightBytes};
+use ridgefill_quant::{QMatrix, QWeight, SimdLevel, WeightBytes};
 
 use crate::error::{ModelError, Result};
 use crate::llama::{Llama, LlamaLayer};
@@ -199,7 +199,7 @@ impl Gen<'_> {
             return Err(bad());
         }
         let m = QMatrix::new(ty, out, inp, WeightBytes::from_vec(bytes))
-            .and_then(|m| QWeight::new(vec![m]))
+            .and_then(|m| QWeight::new(vec![m.prepared_for(SimdLevel::detect())]))
             .map_err(|e| ModelError::Invalid(format!("synthetic weights: {e}")))?;
         Ok(m)
     }

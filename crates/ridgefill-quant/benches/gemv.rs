@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use ridgefill_io::GgufFile;
-use ridgefill_quant::{GgmlType, MatmulConfig, MatmulPath, QMatrix, QWeight, WeightBytes, pool};
+use ridgefill_quant::{
+    GgmlType, MatmulConfig, MatmulPath, QMatrix, QWeight, SimdLevel, WeightBytes, pool,
+};
 
 /// Rounds of the alternating measurement.
 const ROUNDS: usize = 15;
@@ -395,9 +397,11 @@ fn smollm() {
     ] {
         let x: Vec<f32> = (0..w.cols()).map(|_| rng.sym()).collect();
         let dense = w.dequantize();
+        let lanes = w.clone().prepared_for(SimdLevel::detect());
         let mut y = vec![0f32; w.rows()];
         let mut y1 = vec![0f32; w.rows()];
         let mut y2 = vec![0f32; w.rows()];
+        let mut y3 = vec![0f32; w.rows()];
         let one = cfg(false, MatmulPath::Integer);
         let par = cfg(true, MatmulPath::Integer);
         let t = race(
@@ -406,7 +410,13 @@ fn smollm() {
                 &mut || w.matmul_with(&one, &x, 1, &mut y).unwrap(),
                 &mut || w.matmul_with(&par, &x, 1, &mut y1).unwrap(),
                 &mut || gemm_gemv(&dense, w.rows(), w.cols(), &x, &mut y2),
+                &mut || lanes.matmul_with(&one, &x, 1, &mut y3).unwrap(),
             ],
+        );
+        println!(
+            "{name}: prepared (row lanes {}) us 1t cpu {:.1}",
+            lanes.parts()[0].is_row_lanes(),
+            t[3].cpu * 1e6
         );
         let gbs = |s: f64| w.bytes() as f64 / s / 1e9;
         let types: Vec<&str> = w.parts().iter().map(|p| p.ty().name()).collect();

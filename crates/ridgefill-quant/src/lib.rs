@@ -18,6 +18,9 @@
 //!   block between four activation rows.
 //! - For large batches (`m ≥` [`QWeight::f32_path_min_m`], per type and level) row chunks are
 //!   dequantised into a per-thread scratch and multiplied with the `gemm` crate's f32 GEMM instead.
+//! - With AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 weights are rearranged once at load
+//!   ([`QMatrix::prepared_for`]) so sixteen rows' blocks sit side by side, one row per vector lane,
+//!   as the kernels read them (see `lanes`); other levels and types keep the file's layout.
 //! - Work is split by output rows over one persistent [`pool`] (`RIDGEFILL_THREADS`).
 //!
 //! Not implemented: VNNI variants of the k-quant kernels and the 256-bit AVX-VNNI encoding (CPUs
@@ -28,6 +31,7 @@ mod act;
 mod bytes;
 mod dequant;
 mod kernels;
+mod lanes;
 pub mod pool;
 mod simd;
 mod weight;

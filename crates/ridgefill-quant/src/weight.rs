@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use ridgefill_io::{GgmlType, GgufFile};
 
-use crate::act::{Q8Buf, Q8KBuf};
+use crate::act::{Q8Buf, Q8KBuf, Q8Row};
 use crate::bytes::WeightBytes;
-use crate::kernels::{ActKind, XRow, act_kind, gemv_rows, gemv_rows_multi};
+use crate::kernels::{ActKind, XRow, act_kind, gemv_lanes, gemv_rows, gemv_rows_multi};
+use crate::lanes;
 use crate::pool::Pool;
 use crate::simd::SimdLevel;
 
@@ -71,7 +72,8 @@ pub enum QError {
 }
 
 /// One weight `[rows = out features, cols = in features]` in a GGUF storage type, holding its
-/// bytes exactly as in the file: `rows` rows, each `cols / block` blocks.
+/// bytes exactly as in the file (`rows` rows, each `cols / block` blocks), or after
+/// [`QMatrix::prepared_for`] possibly rearranged into the row-lane layout its kernels read.
 #[derive(Clone, Debug)]
 pub struct QMatrix {
     ty: GgmlType,
@@ -79,6 +81,8 @@ pub struct QMatrix {
     cols: usize,
     row_bytes: usize,
     data: WeightBytes,
+    /// In the row-lane layout ([`crate::lanes`]) rather than row after row.
+    row_lanes: bool,
 }
 
 impl QMatrix {
@@ -111,7 +115,30 @@ impl QMatrix {
             cols,
             row_bytes,
             data,
+            row_lanes: false,
         })
+    }
+
+    /// This matrix in the layout the kernels of `level` read fastest: with AVX-512 VNNI, Q4_0,
+    /// Q4_1 and Q8_0 (rows a multiple of 16) are copied once into the row-lane layout
+    /// ([`crate::lanes`]); anything else, or a level this CPU lacks, is returned as it is.
+    ///
+    /// Rearranged weights always run the AVX-512 VNNI kernels, whatever level a call asks for.
+    pub fn prepared_for(self, level: SimdLevel) -> QMatrix {
+        if self.row_lanes || !level.is_available() || !lanes::applies(level, self.ty, self.rows) {
+            return self;
+        }
+        let data = WeightBytes::from_vec(lanes::pack(self.ty, &self.data, self.row_bytes));
+        QMatrix {
+            data,
+            row_lanes: true,
+            ..self
+        }
+    }
+
+    /// Whether the bytes are in the row-lane layout (see [`Self::prepared_for`]).
+    pub fn is_row_lanes(&self) -> bool {
+        self.row_lanes
     }
 
     /// The 2-D tensor `name` of a GGUF file, pointing into the file's mapping (no copy).
@@ -158,7 +185,7 @@ impl QMatrix {
         self.row_bytes
     }
 
-    /// The stored bytes.
+    /// The stored bytes (rearranged when [`Self::is_row_lanes`]).
     pub fn raw(&self) -> &[u8] {
         &self.data
     }
@@ -172,8 +199,17 @@ impl QMatrix {
     /// bit-identical to `ridgefill_io::quant::dequantize`.
     pub fn dequantize_rows_into(&self, row0: usize, out: &mut [f32]) -> Result<(), QError> {
         let end = row_end(row0, out.len(), self.cols, self.rows)?;
+        let level = SimdLevel::detect();
+        if self.row_lanes {
+            let mut row = vec![0u8; self.row_bytes];
+            for (r, o) in (row0..end).zip(out.chunks_exact_mut(self.cols)) {
+                lanes::unpack_row(self.ty, &self.data, self.row_bytes, r, &mut row);
+                crate::dequant::dequantize_into(level, self.ty, &row, o);
+            }
+            return Ok(());
+        }
         let raw = &self.data[row0 * self.row_bytes..end * self.row_bytes];
-        crate::dequant::dequantize_into(SimdLevel::detect(), self.ty, raw, out);
+        crate::dequant::dequantize_into(level, self.ty, raw, out);
         Ok(())
     }
 }
@@ -303,6 +339,14 @@ thread_local! {
     static F32_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// The Q8 activation row a row-lane weight (Q4_0, Q4_1, Q8_0) takes.
+fn q8(x: XRow<'_>) -> Q8Row<'_> {
+    match x {
+        XRow::Q8(x) => x,
+        _ => unreachable!("row-lane weights take Q8 activations"),
+    }
+}
+
 /// A pointer the chunks write disjoint parts of `y` through.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -345,6 +389,18 @@ impl QWeight {
             rows,
             cols: first,
         })
+    }
+
+    /// Every part [`QMatrix::prepared_for`] `level`.
+    pub fn prepared_for(self, level: SimdLevel) -> QWeight {
+        QWeight {
+            parts: self
+                .parts
+                .into_iter()
+                .map(|p| p.prepared_for(level))
+                .collect(),
+            ..self
+        }
     }
 
     /// Output features (all parts).
@@ -518,6 +574,8 @@ impl QWeight {
                     _ => XRow::F32(&x[i * cols..(i + 1) * cols]),
                 };
                 let tile = if m == 1 { r1 - r0 } else { ROW_TILE };
+                // With 32 vector registers eight activation rows share each weight block.
+                let wide = p.row_lanes || level == SimdLevel::Avx512Vnni;
                 let mut t0 = r0;
                 while t0 < r1 {
                     let t1 = (t0 + tile).min(r1);
@@ -527,30 +585,37 @@ impl QWeight {
                     let o = |i: usize| unsafe {
                         std::slice::from_raw_parts_mut(out.at(i * rows_total + start + t0), t1 - t0)
                     };
+                    // `$n` activation rows from `$i` against this weight tile; each weight block
+                    // is unpacked once per group.
+                    macro_rules! group {
+                        ($n:expr, $i:expr) => {{
+                            let xs: [XRow<'_>; $n] = std::array::from_fn(|k| xrow($i + k));
+                            let os: [&mut [f32]; $n] = std::array::from_fn(|k| o($i + k));
+                            if p.row_lanes {
+                                gemv_lanes(p.ty, w, p.row_bytes, xs.map(q8), os);
+                            } else if $n == 1 {
+                                let [o, ..] = os;
+                                gemv_rows(level, p.ty, w, p.row_bytes, xs[0], o);
+                            } else {
+                                gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
+                            }
+                        }};
+                    }
                     let mut i = 0;
-                    // Activation rows in groups: each weight block is unpacked once per group.
-                    if level == SimdLevel::Avx512Vnni {
-                        while i + WIDE_GROUP <= m {
-                            let xs: [XRow<'_>; WIDE_GROUP] = std::array::from_fn(|k| xrow(i + k));
-                            let os: [&mut [f32]; WIDE_GROUP] = std::array::from_fn(|k| o(i + k));
-                            gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
-                            i += WIDE_GROUP;
-                        }
+                    while wide && i + WIDE_GROUP <= m {
+                        group!(WIDE_GROUP, i);
+                        i += WIDE_GROUP;
                     }
                     while i + ACT_GROUP <= m {
-                        let xs: [XRow<'_>; ACT_GROUP] = std::array::from_fn(|k| xrow(i + k));
-                        let os: [&mut [f32]; ACT_GROUP] = std::array::from_fn(|k| o(i + k));
-                        gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
+                        group!(ACT_GROUP, i);
                         i += ACT_GROUP;
                     }
                     if i + PAIR <= m {
-                        let xs: [XRow<'_>; PAIR] = std::array::from_fn(|k| xrow(i + k));
-                        let os: [&mut [f32]; PAIR] = std::array::from_fn(|k| o(i + k));
-                        gemv_rows_multi(level, p.ty, w, p.row_bytes, xs, os);
+                        group!(PAIR, i);
                         i += PAIR;
                     }
                     for i in i..m {
-                        gemv_rows(level, p.ty, w, p.row_bytes, xrow(i), o(i));
+                        group!(1, i);
                     }
                     t0 = t1;
                 }

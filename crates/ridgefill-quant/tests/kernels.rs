@@ -123,6 +123,57 @@ fn big_enough_to_use_the_pool() {
 }
 
 #[test]
+fn row_lane_layout_gives_the_same_products() {
+    if !SimdLevel::Avx512Vnni.is_available() {
+        eprintln!("no AVX-512 VNNI: the row-lane layout is never used here");
+        return;
+    }
+    let mut rng = Rng::new(0x5EED_0007);
+    // One tile, many tiles over the pool, and stacked parts of mixed layouts (Q5_0 stays rows).
+    let cases: [(&[GgmlType], &[usize]); 4] = [
+        (&[GgmlType::Q4_0], &[16]),
+        (&[GgmlType::Q4_1], &[1024]),
+        (&[GgmlType::Q8_0], &[48]),
+        (
+            &[GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0],
+            &[32, 37, 64],
+        ),
+    ];
+    for (types, rows) in cases {
+        for extreme in [false, true] {
+            let w = stacked(&mut rng, types, rows, 160, extreme);
+            let lanes = w.clone().prepared_for(SimdLevel::Avx512Vnni);
+            for (p, q) in w.parts().iter().zip(lanes.parts()) {
+                let want = matches!(p.ty(), GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
+                assert_eq!(q.is_row_lanes(), want, "{types:?}: {} rearranged", p.ty());
+            }
+            // The same bytes: dequantised bit for bit, whatever the layout.
+            assert_eq!(w.dequantize(), lanes.dequantize(), "{types:?}");
+            let integer = MatmulConfig {
+                level: SimdLevel::Avx512Vnni,
+                path: MatmulPath::Integer,
+                parallel: false,
+            };
+            // 1..=9 and 17: every activation group (8, 4, 2, 1) and their remainders.
+            for m in [1, 2, 3, 4, 5, 7, 8, 9, 17] {
+                let x = random_x(&mut rng, m, 160, extreme);
+                let r = reference_stacked(&w, &x, m);
+                let y_rows: Vec<f64> = run(&w, &integer, &x, m).iter().map(|&v| v as f64).collect();
+                for cfg in configs() {
+                    let what = format!("{types:?} extreme={extreme} m={m} {cfg:?}");
+                    let y = run(&lanes, &cfg, &x, m);
+                    assert_close(&what, &y, &r.y, &r.tol());
+                    if cfg.path == MatmulPath::Integer {
+                        // Same integers as the row layout's kernels: only the f32 sums differ.
+                        assert_close(&what, &y, &y_rows, &r.tol_same_ints());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn dequantize_rows_into_spans_parts() {
     let mut rng = Rng::new(0x5EED_0004);
     let w = stacked(

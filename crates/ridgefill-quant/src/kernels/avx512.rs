@@ -23,6 +23,7 @@ use super::avx2::{
     prefetch_distance,
 };
 use crate::act::{Q8Row, QK};
+use crate::lanes;
 
 /// Rows per kernel pass (two row pairs).
 const ROWS: usize = 4;
@@ -276,10 +277,58 @@ vnni_kernel!(
 );
 
 /// Rows per pass of the row-lane kernel ([`q4_tile`]): one per 32-bit lane.
-const TILE: usize = 16;
+const TILE: usize = lanes::TILE;
 /// Activation rows from which the row-lane kernel is used: its per-block transpose of 16 rows
 /// pays off when several activation rows share it.
 const TILE_MIN_A: usize = 4;
+
+/// Tile-blocks ahead of the one being read whose lines are prefetched (row-lane layout: one
+/// contiguous stream).
+const LANES_AHEAD: usize = 8;
+
+/// Prefetches the tile-block [`LANES_AHEAD`] blocks after the one at `base` (`len` bytes each).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn prefetch_tile_block(base: *const u8, len: usize) {
+    const LINE: usize = 64;
+    let mut at = 0;
+    while at < len {
+        prefetch(base, LANES_AHEAD * len + at);
+        at += LINE;
+    }
+}
+
+/// `outs[a][r] = W[r]·xs[a]` for Q4_0, Q4_1 or Q8_0 rows in the row-lane layout
+/// ([`crate::lanes`]), sixteen rows per pass.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C present; `w` holds `outs[a].len()` rows (a multiple
+/// of 16) of `row_bytes` in the row-lane layout of `ty`, matching every activation row; every
+/// `outs[a]` has the same length.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn gemv_lanes<const A: usize>(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    xs: &[Q8Row<'_>; A],
+    outs: &mut [&mut [f32]; A],
+) {
+    let n = outs[0].len();
+    let mut r = 0;
+    // SAFETY: tile r/16 (16 rows) is inside w and every outs[a] (caller's contract).
+    unsafe {
+        while r < n {
+            let o: [*mut f32; A] = std::array::from_fn(|a| outs[a].as_mut_ptr().add(r));
+            let wr = w.as_ptr().add(r * row_bytes);
+            match ty {
+                GgmlType::Q4_1 => q4_tile::<A, true, true>(wr, row_bytes, xs, &o),
+                GgmlType::Q4_0 => q4_tile::<A, false, true>(wr, row_bytes, xs, &o),
+                _ => q8_tile::<A, true>(wr, row_bytes, xs, &o),
+            }
+            r += TILE;
+        }
+    }
+}
 
 /// Byte offsets of rows 0..16, `row_bytes` apart, for a gather.
 #[inline]
@@ -329,7 +378,7 @@ unsafe fn transpose16(base: *const u8, row_bytes: usize, at: usize) -> [__m512i;
 /// As for the kernels, with 16 rows of `row_bytes` at `w` and room for 16 values in each
 /// `outs[a]`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4_tile<const A: usize, const MIN: bool>(
+unsafe fn q4_tile<const A: usize, const MIN: bool, const LANES: bool>(
     w: *const u8,
     row_bytes: usize,
     xs: &[Q8Row<'_>; A],
@@ -352,22 +401,44 @@ unsafe fn q4_tile<const A: usize, const MIN: bool>(
     for b in 0..nb {
         // SAFETY: block b of the 16 rows and of every x is in bounds (caller's contract).
         unsafe {
-            let base = w.add(b * ts);
-            if b % line_blocks == 0 {
-                for r in 0..TILE {
-                    prefetch(base.add(r * row_bytes), dist);
+            // v[j], lane r: bytes 4j..4j+4 of row r's nibbles (values 4j.. low, 16+4j.. high);
+            // d16 / m16: the f16 scale / min of each row's block.
+            let (v, d16, m16) = if LANES {
+                let base = w.add(b * TILE * ts);
+                prefetch_tile_block(base, TILE * ts);
+                let at = |k: usize| _mm256_loadu_si256(base.add(k * TILE * 2) as *const __m256i);
+                let qs = base.add(lanes::halves(ty) * TILE * 2);
+                let v: [__m512i; 4] =
+                    std::array::from_fn(|j| _mm512_loadu_si512(qs.add(j * 64) as *const __m512i));
+                (
+                    v,
+                    _mm512_cvtph_ps(at(0)),
+                    if MIN {
+                        _mm512_cvtph_ps(at(1))
+                    } else {
+                        _mm512_setzero_ps()
+                    },
+                )
+            } else {
+                let base = w.add(b * ts);
+                if b % line_blocks == 0 {
+                    for r in 0..TILE {
+                        prefetch(base.add(r * row_bytes), dist);
+                    }
                 }
-            }
-            // v[j], lane r: bytes 4j..4j+4 of row r's nibbles (values 4j.. low, 16+4j.. high).
-            let v = transpose16(base, row_bytes, qs_at);
+                // The scale in the low half of each gathered dword, the min in the high half.
+                let g = _mm512_i32gather_epi32::<1>(offsets, base as *const i32);
+                (
+                    transpose16(base, row_bytes, qs_at),
+                    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)),
+                    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g))),
+                )
+            };
             let lo: [__m512i; 4] = std::array::from_fn(|j| _mm512_and_si512(v[j], m4));
             let hi: [__m512i; 4] =
                 std::array::from_fn(|j| _mm512_and_si512(_mm512_srli_epi16::<4>(v[j]), m4));
-            // The f16 scale (low half) and min (high half) of each row's block.
-            let g = _mm512_i32gather_epi32::<1>(offsets, base as *const i32);
-            let d16 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
             let c16 = if MIN {
-                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)))
+                m16
             } else {
                 _mm512_mul_ps(d16, _mm512_set1_ps(Q4_0_OFFSET))
             };
@@ -403,7 +474,7 @@ unsafe fn q4_tile<const A: usize, const MIN: bool>(
 /// # Safety
 /// As for [`q4_tile`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q8_tile<const A: usize>(
+unsafe fn q8_tile<const A: usize, const LANES: bool>(
     w: *const u8,
     row_bytes: usize,
     xs: &[Q8Row<'_>; A],
@@ -423,25 +494,39 @@ unsafe fn q8_tile<const A: usize>(
     for b in 0..nb {
         // SAFETY: block b of the 16 rows and of every x is in bounds (caller's contract).
         unsafe {
-            let base = w.add(b * ts);
-            if b % line_blocks == 0 {
-                for r in 0..TILE {
-                    prefetch(base.add(r * row_bytes), dist);
+            // v[j], lane r: bytes 4j..4j+4 of row r's quants; d16: each row's block scale.
+            let (v, d16) = if LANES {
+                let base = w.add(b * TILE * ts);
+                prefetch_tile_block(base, TILE * ts);
+                let qs = base.add(TILE * 2);
+                let v: [__m512i; 8] =
+                    std::array::from_fn(|j| _mm512_loadu_si512(qs.add(j * 64) as *const __m512i));
+                (
+                    v,
+                    _mm512_cvtph_ps(_mm256_loadu_si256(base as *const __m256i)),
+                )
+            } else {
+                let base = w.add(b * ts);
+                if b % line_blocks == 0 {
+                    for r in 0..TILE {
+                        prefetch(base.add(r * row_bytes), dist);
+                    }
                 }
-            }
-            // v[4h + j], lane r: bytes 16h + 4j..16h + 4j + 4 of row r.
-            let (v0, v1) = (
-                transpose16(base, row_bytes, QS_AT),
-                transpose16(base, row_bytes, QS_AT + 16),
-            );
-            let v = [v0[0], v0[1], v0[2], v0[3], v1[0], v1[1], v1[2], v1[3]];
+                let (v0, v1) = (
+                    transpose16(base, row_bytes, QS_AT),
+                    transpose16(base, row_bytes, QS_AT + 16),
+                );
+                let g = _mm512_i32gather_epi32::<1>(offsets, base as *const i32);
+                (
+                    [v0[0], v0[1], v0[2], v0[3], v1[0], v1[1], v1[2], v1[3]],
+                    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)),
+                )
+            };
             let mut wsum = _mm512_setzero_si512();
             for vj in &v {
                 wsum = _mm512_dpbusd_epi32(wsum, ones, *vj);
             }
             let bias = _mm512_slli_epi32::<7>(wsum);
-            let g = _mm512_i32gather_epi32::<1>(offsets, base as *const i32);
-            let d16 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
             for a in 0..A {
                 let xq = xs[a].qs.as_ptr().add(b * QK) as *const u32;
                 let mut d0 = _mm512_setzero_si512();
@@ -516,9 +601,9 @@ pub(super) unsafe fn gemv_rows_multi<const A: usize>(
                 let o = at(outs, r);
                 let wr = w.as_ptr().add(r * row_bytes);
                 match ty {
-                    GgmlType::Q4_1 => q4_tile::<A, true>(wr, row_bytes, xs, &o),
-                    GgmlType::Q4_0 => q4_tile::<A, false>(wr, row_bytes, xs, &o),
-                    _ => q8_tile::<A>(wr, row_bytes, xs, &o),
+                    GgmlType::Q4_1 => q4_tile::<A, true, false>(wr, row_bytes, xs, &o),
+                    GgmlType::Q4_0 => q4_tile::<A, false, false>(wr, row_bytes, xs, &o),
+                    _ => q8_tile::<A, false>(wr, row_bytes, xs, &o),
                 }
                 r += TILE;
             }

@@ -146,6 +146,42 @@ pub(crate) fn gemv_rows_multi<const A: usize>(
     }
 }
 
+/// [`gemv_rows_multi`] for Q4_0, Q4_1 or Q8_0 rows stored in the row-lane layout
+/// ([`crate::lanes`]), which only the AVX-512 VNNI kernels read.
+///
+/// Panics (an internal error) if the sizes disagree or the CPU lacks AVX-512 VNNI: weights are
+/// only rearranged when it has it.
+pub(crate) fn gemv_lanes<const A: usize>(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    xs: [Q8Row<'_>; A],
+    mut outs: [&mut [f32]; A],
+) {
+    let n = outs[0].len();
+    let cols = xs[0].qs.len();
+    assert!(
+        SimdLevel::Avx512Vnni.is_available()
+            && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+            && n.is_multiple_of(crate::lanes::TILE)
+            && xs
+                .iter()
+                .all(|x| x.qs.len() == cols && consistent(&XRow::Q8(*x)))
+            && outs.iter().all(|o| o.len() == n)
+            && cols.is_multiple_of(ty.block_size())
+            && cols / ty.block_size() * ty.type_size() == row_bytes
+            && w.len() >= n * row_bytes,
+        "gemv_lanes: {ty} row-lane tiles of {row_bytes}-byte rows do not match the activation rows"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX-512 VNNI and the sizes match (both checked just above).
+    unsafe {
+        avx512::gemv_lanes(ty, w, row_bytes, &xs, &mut outs)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("row-lane weights exist only on x86-64");
+}
+
 /// Whether an activation row's scale and sum arrays match its length.
 fn consistent(x: &XRow<'_>) -> bool {
     use crate::act::{KSUM, QK, QK_K};
