@@ -296,6 +296,9 @@ const CHUNK_MAX_WEIGHTS: usize = 1 << 18;
 const ROW_ALIGN: usize = 16;
 /// Weight rows kept hot in L1 while every activation row passes over them (integer path, m > 1).
 const ROW_TILE: usize = 16;
+/// [`ROW_TILE`] for row-lane weights: their kernels take sixteen rows per pass anyway, so the
+/// tile is as many rows as L1 holds comfortably (64 rows of 576 Q4_1 columns: 23 KB).
+const LANES_TILE: usize = 64;
 /// Activation rows the integer path runs against each weight tile at once (m > 1).
 const ACT_GROUP: usize = 4;
 /// A remainder of two or three activation rows still shares each unpacked block by twos.
@@ -573,7 +576,14 @@ impl QWeight {
                     Some(ActKind::Q8K) => XRow::Q8K(acts.q8k.row(i)),
                     _ => XRow::F32(&x[i * cols..(i + 1) * cols]),
                 };
-                let tile = if m == 1 { r1 - r0 } else { ROW_TILE };
+                // A whole chunk where one pass of activation rows covers it; else weight tiles
+                // kept in L1 while every group passes.
+                let tile = match (p.row_lanes, m) {
+                    (_, 1) => r1 - r0,
+                    (true, m) if m <= WIDE_GROUP => r1 - r0,
+                    (true, _) => LANES_TILE,
+                    (false, _) => ROW_TILE,
+                };
                 // With 32 vector registers eight activation rows share each weight block.
                 let wide = p.row_lanes || level == SimdLevel::Avx512Vnni;
                 let mut t0 = r0;
