@@ -950,7 +950,7 @@ mod tests {
 
     #[test]
     fn decode_attention_matches_naive() {
-        let device = Device::default();
+        let device = Device::flex();
         let (heads, kv_heads) = (9, 3);
         for hd in [64, 128, 48] {
             // Cache lengths around the 16-key blocks, sequences batched into one call.

@@ -43,15 +43,26 @@ pub struct Sampler {
     rng: StdRng,
 }
 
-/// Index of the largest value (first one on ties, as torch's argmax).
+/// Index of the largest value (first one on ties, as torch's argmax); NaNs are passed over, and
+/// all-NaN gives 0.
+///
+/// Two passes that vectorise (the max over independent lanes, then the first index holding it)
+/// rather than one loop whose every step waits on the last: a greedy batch of eight spent 2% of
+/// its decode step here.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
+    const LANES: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
         }
     }
-    best as u32
+    let max = acc
+        .iter()
+        .chain(chunks.remainder())
+        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    logits.iter().position(|&x| x == max).unwrap_or(0) as u32
 }
 
 impl Sampler {
@@ -121,6 +132,21 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_takes_the_first_largest_anywhere() {
+        // Past the 16-lane chunks, in them, tied, after NaNs, all NaN.
+        let mut v: Vec<f32> = (0..100).map(|i| (i % 7) as f32).collect();
+        v[98] = 9.0;
+        assert_eq!(argmax(&v), 98);
+        v[40] = 9.0;
+        assert_eq!(argmax(&v), 40);
+        v[3] = f32::NAN;
+        assert_eq!(argmax(&v), 40);
+        assert_eq!(argmax(&[f32::NAN, 1.0, 2.0, 2.0]), 2);
+        assert_eq!(argmax(&[f32::NAN; 5]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
+    }
 
     #[test]
     fn greedy_takes_argmax() {
