@@ -4,9 +4,42 @@
 //! Written by hand because the portable loops in `cpu.rs` leave a horizontal sum per key and
 //! head: the compiler vectorised `dot_scores` two floats wide without FMA, and it was 16% of an
 //! eight-sequence decode step (docs/BENCHMARKS.md). Here sixteen keys' partial sums are reduced
-//! together by a shuffle tree (about three instructions per key).
+//! together by a shuffle tree (about three instructions per key). K and V are read as f32 or
+//! as f16 (the fused path's cache), widened in registers.
 
 use std::arch::x86_64::*;
+
+use half::f16;
+
+/// A cached K/V element type: f32, or f16 widened on load.
+pub trait KvElem: Copy {
+    const HALF: bool;
+}
+
+impl KvElem for f32 {
+    const HALF: bool = false;
+}
+
+impl KvElem for f16 {
+    const HALF: bool = true;
+}
+
+/// Sixteen elements at `p` as f32.
+///
+/// # Safety
+/// Sixteen readable elements at `p`.
+#[inline]
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn load16<E: KvElem>(p: *const E) -> __m512 {
+    // SAFETY: the caller's contract (32 bytes for f16, 64 for f32).
+    unsafe {
+        if E::HALF {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        } else {
+            _mm512_loadu_ps(p as *const f32)
+        }
+    }
+}
 
 /// f32 lanes per vector.
 const W: usize = 16;
@@ -16,6 +49,8 @@ const KEY_BLOCK: usize = 16;
 const VALUE_REGS: usize = 16;
 /// Keys ahead whose K (and V) lines are prefetched while the first head is scored.
 const PREFETCH_KEYS: usize = 16;
+/// Bytes per cache line (one prefetch each).
+const LINE: usize = 64;
 
 /// Whether the CPU runs these kernels and `hd` is one they take.
 pub fn available(hd: usize) -> bool {
@@ -32,11 +67,11 @@ pub fn available(hd: usize) -> bool {
 /// keys `j < n` are at `ks + j·k_row` and values at `vs + j·v_row`, `hd` readable floats each;
 /// `n ≥ 1`.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn group_row(
+pub unsafe fn group_row<E: KvElem>(
     qs: &[&[f32]],
-    ks: *const f32,
+    ks: *const E,
     k_row: usize,
-    vs: *const f32,
+    vs: *const E,
     v_row: usize,
     n: usize,
     scale: f32,
@@ -49,20 +84,20 @@ pub unsafe fn group_row(
     // SAFETY: forwarded from the caller; `available` checked the CPU and `hd`.
     unsafe {
         match qs[0].len() / W {
-            4 => run::<4>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
-            8 => run::<8>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
-            _ => run::<16>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
+            4 => run::<E, 4>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
+            8 => run::<E, 8>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
+            _ => run::<E, 16>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
         }
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f")]
-unsafe fn run<const D: usize>(
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn run<E: KvElem, const D: usize>(
     qs: &[&[f32]],
-    ks: *const f32,
+    ks: *const E,
     k_row: usize,
-    vs: *const f32,
+    vs: *const E,
     v_row: usize,
     n: usize,
     scale: f32,
@@ -73,13 +108,13 @@ unsafe fn run<const D: usize>(
     unsafe {
         for (h, q) in qs.iter().enumerate() {
             let row = &mut scores[h * n..][..n];
-            scores_of::<D>(q.as_ptr(), ks, k_row, vs, v_row, scale, row, h == 0);
+            scores_of::<E, D>(q.as_ptr(), ks, k_row, vs, v_row, scale, row, h == 0);
             crate::cpu::softmax_rows(row, n, &[n]);
         }
         match VALUE_REGS / D {
-            4 => weigh::<D, 4>(scores, n, vs, v_row, outs),
-            2 => weigh::<D, 2>(scores, n, vs, v_row, outs),
-            _ => weigh::<D, 1>(scores, n, vs, v_row, outs),
+            4 => weigh::<E, D, 4>(scores, n, vs, v_row, outs),
+            2 => weigh::<E, D, 2>(scores, n, vs, v_row, outs),
+            _ => weigh::<E, D, 1>(scores, n, vs, v_row, outs),
         }
     }
 }
@@ -87,12 +122,12 @@ unsafe fn run<const D: usize>(
 /// `row[j] = scale · q·k_j`; the first head of a group prefetches the K and V rows ahead.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn scores_of<const D: usize>(
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn scores_of<E: KvElem, const D: usize>(
     q: *const f32,
-    ks: *const f32,
+    ks: *const E,
     k_row: usize,
-    vs: *const f32,
+    vs: *const E,
     v_row: usize,
     scale: f32,
     row: &mut [f32],
@@ -111,16 +146,20 @@ unsafe fn scores_of<const D: usize>(
                 let j = j0 + kk;
                 let k = ks.add(j * k_row);
                 if prefetch {
-                    for c in 0..D {
-                        let ahead = (j + PREFETCH_KEYS) * k_row + c * W;
-                        _mm_prefetch::<_MM_HINT_T0>(ks.wrapping_add(ahead) as *const i8);
-                        let v_ahead = j * v_row + c * W;
-                        _mm_prefetch::<_MM_HINT_T0>(vs.wrapping_add(v_ahead) as *const i8);
+                    let (kp, vp) = (
+                        ks.wrapping_add((j + PREFETCH_KEYS) * k_row),
+                        vs.wrapping_add(j * v_row),
+                    );
+                    let mut at = 0;
+                    while at < D * W * size_of::<E>() {
+                        _mm_prefetch::<_MM_HINT_T0>((kp as *const i8).wrapping_add(at));
+                        _mm_prefetch::<_MM_HINT_T0>((vp as *const i8).wrapping_add(at));
+                        at += LINE;
                     }
                 }
-                let mut s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                let mut s = _mm512_mul_ps(qv[0], load16(k));
                 for (c, qc) in qv.iter().enumerate().skip(1) {
-                    s = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(k.add(c * W)), s);
+                    s = _mm512_fmadd_ps(*qc, load16(k.add(c * W)), s);
                 }
                 *a = s;
             }
@@ -173,11 +212,11 @@ fn reduce16(v: &[__m512; KEY_BLOCK]) -> __m512 {
 
 /// `outs[h] = Σ_j p[h][j] v_j`, `H` heads at a time so each value row is read once per `H`.
 #[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn weigh<const D: usize, const H: usize>(
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn weigh<E: KvElem, const D: usize, const H: usize>(
     p: &[f32],
     n: usize,
-    vs: *const f32,
+    vs: *const E,
     v_row: usize,
     outs: &mut [&mut [f32]],
 ) {
@@ -190,7 +229,7 @@ unsafe fn weigh<const D: usize, const H: usize>(
         unsafe {
             for j in 0..n {
                 let v = vs.add(j * v_row);
-                let vv: [__m512; D] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
+                let vv: [__m512; D] = std::array::from_fn(|c| load16(v.add(c * W)));
                 for (h, a) in acc.iter_mut().enumerate().take(hc) {
                     let w = _mm512_set1_ps(*p.get_unchecked((h0 + h) * n + j));
                     for c in 0..D {

@@ -8,6 +8,9 @@ use burn::tensor::{Device, FloatDType, Tensor, s};
 
 /// K/V for every layer, shape `[1, kv_heads, capacity, head_dim]`, slots `..lens[l]` valid.
 /// A clone shares storage until either side writes (writes copy a shared buffer).
+///
+/// The storage dtype may be narrower than the activations' (f16 under f32 on the fused CPU
+/// path): writes round to it, [`KvCache::read`] widens back, [`KvCache::read_stored`] does not.
 #[derive(Clone)]
 pub struct KvCache {
     pub k: Vec<Tensor<4>>,
@@ -16,9 +19,14 @@ pub struct KvCache {
     /// Positions of the sequence processed so far.
     len: usize,
     capacity: usize,
+    /// The activations' dtype, which [`KvCache::read`] returns.
+    dtype: FloatDType,
+    /// What K and V are stored as.
+    stored: FloatDType,
 }
 
 impl KvCache {
+    /// A cache storing K/V at the activations' `dtype`.
     pub fn new(
         layers: usize,
         kv_heads: usize,
@@ -27,14 +35,34 @@ impl KvCache {
         dtype: FloatDType,
         device: &Device,
     ) -> Self {
-        let zeros = || Tensor::<4>::zeros([1, kv_heads, capacity, head_dim], device).cast(dtype);
+        Self::with_storage(layers, kv_heads, head_dim, capacity, dtype, dtype, device)
+    }
+
+    /// A cache storing K/V as `stored` for activations of `dtype`.
+    pub fn with_storage(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        dtype: FloatDType,
+        stored: FloatDType,
+        device: &Device,
+    ) -> Self {
+        let zeros = || Tensor::<4>::zeros([1, kv_heads, capacity, head_dim], device).cast(stored);
         Self {
             k: (0..layers).map(|_| zeros()).collect(),
             v: (0..layers).map(|_| zeros()).collect(),
             lens: vec![0; layers],
             len: 0,
             capacity,
+            dtype,
+            stored,
         }
+    }
+
+    /// The dtype K and V are stored as.
+    pub fn stored_dtype(&self) -> FloatDType {
+        self.stored
     }
 
     /// Positions of the sequence processed so far (the next token's position).
@@ -76,6 +104,7 @@ impl KvCache {
 
     /// Appends `k`, `v` (`[1, kv_heads, m, head_dim]`) to `layer`'s filled slots.
     pub fn append(&mut self, layer: usize, k: Tensor<4>, v: Tensor<4>) {
+        let (k, v) = (self.narrow_to_stored(k), self.narrow_to_stored(v));
         let m = k.dims()[2];
         let at = self.lens[layer];
         // Take the old handle so the backend may update the buffer in place.
@@ -95,6 +124,7 @@ impl KvCache {
 
     /// Overwrites `layer`'s filled slots `at..at+m` with `k`, `v` (`[1, kv_heads, m, head_dim]`).
     pub fn overwrite(&mut self, layer: usize, at: usize, k: Tensor<4>, v: Tensor<4>) {
+        let (k, v) = (self.narrow_to_stored(k), self.narrow_to_stored(v));
         let m = k.dims()[2];
         debug_assert!(at + m <= self.lens[layer]);
         let kc = std::mem::replace(&mut self.k[layer], k.clone());
@@ -103,12 +133,30 @@ impl KvCache {
         self.v[layer] = vc.slice_assign(s![.., .., at..at + m, ..], v);
     }
 
-    /// K and V of `layer`'s filled slots.
+    /// K and V of `layer`'s filled slots at the activations' dtype (a widened copy when the
+    /// storage is narrower).
     pub fn read(&self, layer: usize) -> (Tensor<4>, Tensor<4>) {
+        let (k, v) = self.read_stored(layer);
+        if self.stored == self.dtype {
+            return (k, v);
+        }
+        (k.cast(self.dtype), v.cast(self.dtype))
+    }
+
+    /// K and V of `layer`'s filled slots as stored (views, no copy).
+    pub fn read_stored(&self, layer: usize) -> (Tensor<4>, Tensor<4>) {
         let end = self.lens[layer];
         (
             self.k[layer].clone().narrow(2, 0, end),
             self.v[layer].clone().narrow(2, 0, end),
         )
+    }
+
+    fn narrow_to_stored(&self, x: Tensor<4>) -> Tensor<4> {
+        if self.stored == self.dtype {
+            x
+        } else {
+            x.cast(self.stored)
+        }
     }
 }

@@ -41,6 +41,29 @@ pub fn enabled(device: &Device, dtype: FloatDType) -> Result<bool> {
     Ok(on && matches!(device.as_dispatch(), DispatchDevice::Flex(_)) && dtype == FloatDType::F32)
 }
 
+/// Environment variable choosing the fused path's KV cache storage: `f32` (or unset) or `f16`.
+pub const KV_SWITCH: &str = "RIDGEFILL_KV_CACHE";
+
+/// The KV storage [`KV_SWITCH`] asks for. f16 halves the bytes every decode step reads (at a few
+/// hundred positions and several sequences as many as the weights) but moves logits past the
+/// golden tests' tolerances against transformers, so f32 stays the default. A value other than
+/// f16/f32 is an error.
+pub fn kv_storage() -> Result<FloatDType> {
+    match std::env::var(KV_SWITCH) {
+        Err(VarError::NotPresent) => Ok(FloatDType::F32),
+        Ok(v) if v == "f16" => Ok(FloatDType::F16),
+        Ok(v) if v == "f32" => Ok(FloatDType::F32),
+        Ok(v) => Err(bad_kv(&v)),
+        Err(VarError::NotUnicode(v)) => Err(bad_kv(&v.to_string_lossy())),
+    }
+}
+
+fn bad_kv(value: &str) -> ModelError {
+    ModelError::Invalid(format!(
+        "environment variable {KV_SWITCH}={value:?}: expected f16 or f32"
+    ))
+}
+
 fn bad_switch(value: &str) -> ModelError {
     ModelError::Invalid(format!(
         "environment variable {SWITCH}={value:?}: expected on or off (1 or 0)"
@@ -94,11 +117,56 @@ fn rows2(t: &FlexTensor) -> (&[f32], usize) {
     (s, row)
 }
 
+/// `[1, heads, rows, hd]` f32 rows as f16, for a narrow KV cache (half's slice conversion, which
+/// uses F16C where the CPU has it; burn-flex's cast goes element by element).
+pub fn narrow_kv(x: Tensor<4>) -> Tensor<4> {
+    use half::slice::HalfFloatSliceExt;
+    let dims = x.dims();
+    let t = flex_with(x, Layout::is_contiguous);
+    let src = &t.storage::<f32>()[t.layout().start_offset()..][..dims.iter().product()];
+    let mut out = vec![half::f16::ZERO; src.len()];
+    out.convert_from_f32_slice(src);
+    let layout = Layout::contiguous(Shape::from(dims.to_vec()));
+    Tensor::from_primitive::<Flex>(FlexTensor::new(Bytes::from_elems(out), layout, DType::F16))
+}
+
+/// An f16 `[1, heads, rows, hd]` view of a KV cache (rows contiguous within a head) widened to a
+/// contiguous f32 tensor.
+fn widen_kv(x: Tensor<4>) -> Tensor<4> {
+    use half::slice::HalfFloatSliceExt;
+    let [_, heads, rows, hd] = x.dims();
+    let t = flex(x);
+    let (src, head_stride, row_stride) = heads4_f16(&t);
+    let mut out = vec![0f32; heads * rows * hd];
+    for (h, dst) in out.chunks_exact_mut(rows * hd).enumerate() {
+        let head = &src[h * head_stride..];
+        if row_stride as usize == hd {
+            head[..rows * hd].convert_to_f32_slice(dst);
+        } else {
+            for (r, d) in dst.chunks_exact_mut(hd).enumerate() {
+                head[r * row_stride as usize..][..hd].convert_to_f32_slice(d);
+            }
+        }
+    }
+    wrap(out, [1, heads, rows, hd])
+}
+
 /// A 4-D `[1, heads, rows, hd]` f32 view: storage from the first element, head and row strides.
 fn heads4(x: &FlexTensor) -> (&[f32], usize, isize) {
     let l = x.layout();
     let s = l.strides();
     (&x.storage::<f32>()[l.start_offset()..], s[1] as usize, s[2])
+}
+
+/// [`heads4`] of an f16 tensor (a narrow KV cache).
+fn heads4_f16(x: &FlexTensor) -> (&[half::f16], usize, isize) {
+    let l = x.layout();
+    let s = l.strides();
+    (
+        &x.storage::<half::f16>()[l.start_offset()..],
+        s[1] as usize,
+        s[2],
+    )
 }
 
 /// Defines `fn $name` that runs its body compiled for AVX-512 or AVX2+FMA when the CPU has them,
@@ -680,6 +748,8 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         q: FlexTensor,
         k: FlexTensor,
         v: FlexTensor,
+        /// K and V are f16 (decode rows through the group kernel only).
+        half: bool,
         n: usize,
         seen: Vec<usize>,
         blocks: usize,
@@ -696,6 +766,10 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let width = heads * hd;
+    #[cfg(target_arch = "x86_64")]
+    let group_kernel = crate::attn_x86::available(hd);
+    #[cfg(not(target_arch = "x86_64"))]
+    let group_kernel = false;
     let (mut rows, mut jobs, mut work, mut max_n) = (0, 0, 0, 0);
     let preps: Vec<Prep> = items
         .into_iter()
@@ -714,10 +788,19 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             } else {
                 it.seen
             };
+            // Decode rows read an f16 cache in the group kernel; anything else widens it once.
+            let half = it.k.dtype() == DType::F16;
+            let direct = half && group_kernel && heads_per_job == group;
+            let (k, v) = if half && !direct {
+                (widen_kv(it.k), widen_kv(it.v))
+            } else {
+                (it.k, it.v)
+            };
             let p = Prep {
                 q: flex(it.q),
-                k: flex(it.k),
-                v: flex(it.v),
+                k: flex(k),
+                v: flex(v),
+                half: direct,
                 n,
                 seen,
                 blocks,
@@ -825,17 +908,57 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             );
         }
     };
-    #[cfg(target_arch = "x86_64")]
-    let group_kernel = crate::attn_x86::available(hd);
     // A decode task's GQA group through the hand-written kernel: each K/V row read once.
     #[cfg(target_arch = "x86_64")]
     let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize| -> bool {
-        let (qs, q_head, q_row) = heads4(&it.q);
-        let (ks, k_head, k_row) = heads4(&it.k);
-        let (vs, v_head, v_row) = heads4(&it.v);
-        if !group_kernel || it.heads_per_job != group || k_row <= 0 || v_row <= 0 {
+        if !group_kernel || it.heads_per_job != group {
             return false;
         }
+        let ctx = (group, hd, width, scale, out_ptr);
+        if it.half {
+            let (ks, k_head, k_row) = heads4_f16(&it.k);
+            let (vs, v_head, v_row) = heads4_f16(&it.v);
+            group_of_rows(
+                scores,
+                it,
+                hg,
+                b,
+                (ks, k_head, k_row),
+                (vs, v_head, v_row),
+                ctx,
+            );
+        } else {
+            let (ks, k_head, k_row) = heads4(&it.k);
+            let (vs, v_head, v_row) = heads4(&it.v);
+            group_of_rows(
+                scores,
+                it,
+                hg,
+                b,
+                (ks, k_head, k_row),
+                (vs, v_head, v_row),
+                ctx,
+            );
+        }
+        true
+    };
+    // One task's rows of one GQA group, K/V of either element type.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::type_complexity)]
+    fn group_of_rows<E: crate::attn_x86::KvElem>(
+        scores: &mut Vec<f32>,
+        it: &Prep,
+        hg: usize,
+        b: usize,
+        (ks, k_head, k_row): (&[E], usize, isize),
+        (vs, v_head, v_row): (&[E], usize, isize),
+        (group, hd, width, scale, out_ptr): (usize, usize, usize, f32, SendPtr),
+    ) {
+        let (qs, q_head, q_row) = heads4(&it.q);
+        assert!(
+            k_row > 0 && v_row > 0,
+            "attention_many: K/V rows must be laid out forwards"
+        );
         let r0 = b * QUERY_BLOCK;
         let rb = QUERY_BLOCK.min(it.n - r0);
         let (k0, v0) = (&ks[hg * k_head..], &vs[hg * v_head..]);
@@ -869,8 +992,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 )
             };
         }
-        true
-    };
+    }
     #[cfg(not(target_arch = "x86_64"))]
     let group_rows = |_: &mut Vec<f32>, _: &Prep, _: usize, _: usize| false;
     let task = |scores: &mut Vec<f32>, job: usize| {
@@ -950,8 +1072,29 @@ mod tests {
 
     #[test]
     fn decode_attention_matches_naive() {
+        for half in [false, true] {
+            attention_matches_naive(half);
+        }
+    }
+
+    /// Decode rows (the group kernel) and prefill rows (an f16 cache widened first) against a
+    /// naive attention over the same (rounded) K/V.
+    fn attention_matches_naive(half: bool) {
         let device = Device::flex();
         let (heads, kv_heads) = (9, 3);
+        let round = |x: Vec<f32>| -> Vec<f32> {
+            if half {
+                x.into_iter()
+                    .map(|v| half::f16::from_f32(v).to_f32())
+                    .collect()
+            } else {
+                x
+            }
+        };
+        let to_kv = |x: Vec<f32>, shape: [usize; 4]| {
+            let t = Tensor::<4>::from_data(TensorData::new(x, shape), &device);
+            if half { t.cast(FloatDType::F16) } else { t }
+        };
         for hd in [64, 128, 48] {
             // Cache lengths around the 16-key blocks, sequences batched into one call.
             let lens = [1usize, 15, 16, 17, 40];
@@ -969,8 +1112,8 @@ mod tests {
                 .map(|&t| {
                     (
                         rnd(heads * hd),
-                        rnd(kv_heads * t * hd),
-                        rnd(kv_heads * t * hd),
+                        round(rnd(kv_heads * t * hd)),
+                        round(rnd(kv_heads * t * hd)),
                     )
                 })
                 .collect();
@@ -979,8 +1122,8 @@ mod tests {
                 .zip(lens)
                 .map(|((q, k, v), t)| AttnItem {
                     q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, 1, hd]), &device),
-                    k: Tensor::from_data(TensorData::new(k.clone(), [1, kv_heads, t, hd]), &device),
-                    v: Tensor::from_data(TensorData::new(v.clone(), [1, kv_heads, t, hd]), &device),
+                    k: to_kv(k.clone(), [1, kv_heads, t, hd]),
+                    v: to_kv(v.clone(), [1, kv_heads, t, hd]),
                     seen: Vec::new(),
                 })
                 .collect();
@@ -1002,7 +1145,40 @@ mod tests {
                     for (d, (a, b)) in row.iter().zip(&want).enumerate() {
                         assert!(
                             (a - b).abs() < 1e-4,
-                            "hd {hd} seq {s} head {h} col {d}: {a} vs {b}"
+                            "half {half} hd {hd} seq {s} head {h} col {d}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+            // Prefill rows (past the decode kernel's row count): the last `n` of `t` positions.
+            let (n, t) = (DOT_ROWS_MAX + 3, 21);
+            let q = rnd(heads * n * hd);
+            let (k, v) = (round(rnd(kv_heads * t * hd)), round(rnd(kv_heads * t * hd)));
+            let item = AttnItem {
+                q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, n, hd]), &device),
+                k: to_kv(k.clone(), [1, kv_heads, t, hd]),
+                v: to_kv(v.clone(), [1, kv_heads, t, hd]),
+                seen: Vec::new(),
+            };
+            let got = attention_many(vec![item])
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            for i in 0..n {
+                for h in 0..heads {
+                    let kh = h / (heads / kv_heads);
+                    let want = naive_row(
+                        &q[(h * n + i) * hd..][..hd],
+                        &k[kh * t * hd..][..t * hd],
+                        &v[kh * t * hd..][..t * hd],
+                        hd,
+                        t - n + i + 1,
+                    );
+                    let row = &got[i * heads * hd + h * hd..][..hd];
+                    for (d, (a, b)) in row.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() < 1e-4,
+                            "prefill half {half} hd {hd} row {i} head {h} col {d}: {a} vs {b}"
                         );
                     }
                 }

@@ -111,6 +111,9 @@ pub struct Llama {
     /// Blocks with features the fused attention and MLP lack run the plain ops regardless
     /// ([`Llama::fused_block`]).
     pub cpu_kernels: bool,
+    /// What the KV cache stores: f16 on the fused CPU path (half the bytes that every decode
+    /// step reads), else the activations' dtype. See [`kv_dtype`].
+    pub kv_dtype: FloatDType,
 }
 
 /// Options for loading a model onto a device.
@@ -419,6 +422,17 @@ fn transposed(data: &[f32], rows: usize, cols: usize, device: &Device) -> Tensor
     Tensor::from_data(TensorData::new(t, [cols, rows]), device)
 }
 
+/// The KV cache's storage dtype for activations of `dtype`: f16 where the fused CPU kernels run
+/// (unless [`crate::cpu::KV_SWITCH`] says f32), else `dtype` itself.
+pub fn kv_dtype(cpu_kernels: bool, dtype: FloatDType) -> Result<FloatDType> {
+    #[cfg(feature = "flex")]
+    if cpu_kernels {
+        return crate::cpu::kv_storage();
+    }
+    let _ = cpu_kernels;
+    Ok(dtype)
+}
+
 /// Whether the fused flex kernels can run on `device` at `dtype` (an error for a bad switch).
 pub fn cpu_kernels_apply(device: &Device, dtype: FloatDType) -> Result<bool> {
     #[cfg(feature = "flex")]
@@ -435,6 +449,7 @@ impl Llama {
     pub fn load(ckpt: &Checkpoint, device: &Device, opts: &LoadOptions) -> Result<Self> {
         // Checked first: a bad switch should not cost a whole load.
         let cpu_kernels = cpu_kernels_apply(device, opts.dtype)?;
+        let kv_dtype = kv_dtype(cpu_kernels, opts.dtype)?;
         let cfg = ckpt.config.clone();
         if !SUPPORTED_MODEL_TYPES.contains(&cfg.model_type.as_str()) {
             return Err(ModelError::UnsupportedArchitecture {
@@ -551,6 +566,7 @@ impl Llama {
             device: device.clone(),
             dtype: opts.dtype,
             cpu_kernels,
+            kv_dtype,
         })
     }
 
@@ -561,12 +577,13 @@ impl Llama {
     /// A cache sized for `capacity` positions (at most the RoPE table's length).
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         let cap = capacity.min(self.rope.max_positions());
-        KvCache::new(
+        KvCache::with_storage(
             self.num_layers(),
             self.config.num_key_value_heads,
             self.config.head_dim(),
             cap,
             self.dtype,
+            self.kv_dtype,
             &self.device,
         )
     }
@@ -658,10 +675,10 @@ impl Llama {
         x.matmul(w.clone())
     }
 
-    /// Bytes of K/V cache for `positions` positions at the model's dtype.
+    /// Bytes of K/V cache for `positions` positions at its storage dtype.
     pub fn kv_bytes(&self, positions: usize) -> usize {
         let c = &self.config;
-        let value = match self.dtype {
+        let value = match self.kv_dtype {
             FloatDType::F16 | FloatDType::BF16 => 2,
             FloatDType::F64 => 8,
             _ => 4,
@@ -985,8 +1002,12 @@ impl Llama {
         };
         let (q, k, v) =
             crate::cpu::qkv_rope(qkv, cfg.num_attention_heads, cfg.num_key_value_heads, rot);
+        let (k, v) = match cache.stored_dtype() {
+            FloatDType::F16 => (crate::cpu::narrow_kv(k), crate::cpu::narrow_kv(v)),
+            _ => (k, v),
+        };
         let seen = store(cache, l, k, v, at);
-        let (k, v) = cache.read(l);
+        let (k, v) = cache.read_stored(l);
         crate::cpu::AttnItem { q, k, v, seen }
     }
 

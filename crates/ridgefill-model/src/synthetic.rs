@@ -319,6 +319,7 @@ impl Llama {
             device: device.clone(),
             dtype,
             cpu_kernels,
+            kv_dtype: crate::llama::kv_dtype(cpu_kernels, dtype)?,
         })
     }
 }
