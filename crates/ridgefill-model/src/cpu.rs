@@ -136,7 +136,7 @@ fn widen_kv(x: Tensor<4>) -> Tensor<4> {
     use half::slice::HalfFloatSliceExt;
     let [_, heads, rows, hd] = x.dims();
     let t = flex(x);
-    let (src, head_stride, row_stride) = heads4_f16(&t);
+    let (src, head_stride, row_stride) = half::f16::view(&t);
     let mut out = vec![0f32; heads * rows * hd];
     for (h, dst) in out.chunks_exact_mut(rows * hd).enumerate() {
         let head = &src[h * head_stride..];
@@ -158,15 +158,27 @@ fn heads4(x: &FlexTensor) -> (&[f32], usize, isize) {
     (&x.storage::<f32>()[l.start_offset()..], s[1] as usize, s[2])
 }
 
-/// [`heads4`] of an f16 tensor (a narrow KV cache).
-fn heads4_f16(x: &FlexTensor) -> (&[half::f16], usize, isize) {
-    let l = x.layout();
-    let s = l.strides();
-    (
-        &x.storage::<half::f16>()[l.start_offset()..],
-        s[1] as usize,
-        s[2],
-    )
+/// [`heads4`] for the element types a KV cache is stored as.
+trait KvView: Sized {
+    fn view(x: &FlexTensor) -> (&[Self], usize, isize);
+}
+
+impl KvView for f32 {
+    fn view(x: &FlexTensor) -> (&[f32], usize, isize) {
+        heads4(x)
+    }
+}
+
+impl KvView for half::f16 {
+    fn view(x: &FlexTensor) -> (&[half::f16], usize, isize) {
+        let l = x.layout();
+        let s = l.strides();
+        (
+            &x.storage::<half::f16>()[l.start_offset()..],
+            s[1] as usize,
+            s[2],
+        )
+    }
 }
 
 /// Defines `fn $name` that runs its body compiled for AVX-512 or AVX2+FMA when the CPU has them,
@@ -916,45 +928,25 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         }
         let ctx = (group, hd, width, scale, out_ptr);
         if it.half {
-            let (ks, k_head, k_row) = heads4_f16(&it.k);
-            let (vs, v_head, v_row) = heads4_f16(&it.v);
-            group_of_rows(
-                scores,
-                it,
-                hg,
-                b,
-                (ks, k_head, k_row),
-                (vs, v_head, v_row),
-                ctx,
-            );
+            group_of_rows::<half::f16>(scores, it, hg, b, ctx);
         } else {
-            let (ks, k_head, k_row) = heads4(&it.k);
-            let (vs, v_head, v_row) = heads4(&it.v);
-            group_of_rows(
-                scores,
-                it,
-                hg,
-                b,
-                (ks, k_head, k_row),
-                (vs, v_head, v_row),
-                ctx,
-            );
+            group_of_rows::<f32>(scores, it, hg, b, ctx);
         }
         true
     };
     // One task's rows of one GQA group, K/V of either element type.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::type_complexity)]
-    fn group_of_rows<E: crate::attn_x86::KvElem>(
+    fn group_of_rows<E: crate::attn_x86::KvElem + KvView>(
         scores: &mut Vec<f32>,
         it: &Prep,
         hg: usize,
         b: usize,
-        (ks, k_head, k_row): (&[E], usize, isize),
-        (vs, v_head, v_row): (&[E], usize, isize),
         (group, hd, width, scale, out_ptr): (usize, usize, usize, f32, SendPtr),
     ) {
         let (qs, q_head, q_row) = heads4(&it.q);
+        let (ks, k_head, k_row) = E::view(&it.k);
+        let (vs, v_head, v_row) = E::view(&it.v);
         assert!(
             k_row > 0 && v_row > 0,
             "attention_many: K/V rows must be laid out forwards"

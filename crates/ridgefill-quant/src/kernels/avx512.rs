@@ -313,21 +313,40 @@ pub(super) unsafe fn gemv_lanes<const A: usize>(
     xs: &[Q8Row<'_>; A],
     outs: &mut [&mut [f32]; A],
 ) {
+    // SAFETY: the caller's contract (whole tiles of the row-lane layout).
+    unsafe { tiles::<A, true>(ty, w, row_bytes, xs, outs) };
+}
+
+/// The row-lane kernels over the whole 16-row tiles from row 0, weights in the row-lane layout
+/// (`LANES`) or row after row (transposed per block); returns the rows done.
+///
+/// # Safety
+/// As for [`gemv_lanes`] (`LANES`) or [`gemv_rows_multi`]; `ty` is Q4_0, Q4_1 or Q8_0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn tiles<const A: usize, const LANES: bool>(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    xs: &[Q8Row<'_>; A],
+    outs: &mut [&mut [f32]; A],
+) -> usize {
     let n = outs[0].len();
     let mut r = 0;
     // SAFETY: tile r/16 (16 rows) is inside w and every outs[a] (caller's contract).
     unsafe {
-        while r < n {
+        while r + TILE <= n {
             let o: [*mut f32; A] = std::array::from_fn(|a| outs[a].as_mut_ptr().add(r));
             let wr = w.as_ptr().add(r * row_bytes);
             match ty {
-                GgmlType::Q4_1 => q4_tile::<A, true, true>(wr, row_bytes, xs, &o),
-                GgmlType::Q4_0 => q4_tile::<A, false, true>(wr, row_bytes, xs, &o),
-                _ => q8_tile::<A, true>(wr, row_bytes, xs, &o),
+                GgmlType::Q4_1 => q4_tile::<A, true, LANES>(wr, row_bytes, xs, &o),
+                GgmlType::Q4_0 => q4_tile::<A, false, LANES>(wr, row_bytes, xs, &o),
+                _ => q8_tile::<A, LANES>(wr, row_bytes, xs, &o),
             }
             r += TILE;
         }
     }
+    r
 }
 
 /// Byte offsets of rows 0..16, `row_bytes` apart, for a gather.
@@ -597,16 +616,7 @@ pub(super) unsafe fn gemv_rows_multi<const A: usize>(
             std::array::from_fn(|a| outs[a].as_mut_ptr().add(r))
         };
         if A >= TILE_MIN_A && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
-            while r + TILE <= n {
-                let o = at(outs, r);
-                let wr = w.as_ptr().add(r * row_bytes);
-                match ty {
-                    GgmlType::Q4_1 => q4_tile::<A, true, false>(wr, row_bytes, xs, &o),
-                    GgmlType::Q4_0 => q4_tile::<A, false, false>(wr, row_bytes, xs, &o),
-                    _ => q8_tile::<A, false>(wr, row_bytes, xs, &o),
-                }
-                r += TILE;
-            }
+            r = tiles::<A, false>(ty, w, row_bytes, xs, outs);
         }
         while r + ROWS <= n {
             let o = at(outs, r);
