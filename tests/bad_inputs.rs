@@ -881,6 +881,13 @@ fn rows() -> Vec<Row> {
             &["RIDGEFILL_CPU_KERNELS=\"maybe\"", "expected on or off"],
         )
         .with_env("RIDGEFILL_CPU_KERNELS", "maybe"),
+        r(
+            "unknown RIDGEFILL_KV_CACHE value",
+            gen_(&["-p", "hi"]),
+            ERR,
+            &["RIDGEFILL_KV_CACHE=\"bf16\"", "expected f16 or f32"],
+        )
+        .with_env("RIDGEFILL_KV_CACHE", "bf16"),
     ]
 }
 
