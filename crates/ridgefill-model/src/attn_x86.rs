@@ -57,6 +57,7 @@ pub fn available(hd: usize) -> bool {
     matches!(hd / W, 4 | 8 | 16)
         && hd.is_multiple_of(W)
         && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("f16c")
 }
 
 /// One query row per head of a GQA group against the group's first `n` keys:
@@ -64,7 +65,7 @@ pub fn available(hd: usize) -> bool {
 ///
 /// # Safety
 /// [`available`]`(hd)` holds for `hd = qs[h].len()` (the same for every head and `outs[h]`);
-/// keys `j < n` are at `ks + j·k_row` and values at `vs + j·v_row`, `hd` readable floats each;
+/// keys `j < n` are at `ks + j·k_row` and values at `vs + j·v_row`, `hd` readable elements each;
 /// `n ≥ 1`.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn group_row<E: KvElem>(

@@ -936,7 +936,6 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     };
     // One task's rows of one GQA group, K/V of either element type.
     #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::type_complexity)]
     fn group_of_rows<E: crate::attn_x86::KvElem + KvView>(
         scores: &mut Vec<f32>,
         it: &Prep,

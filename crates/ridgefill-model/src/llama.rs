@@ -111,8 +111,8 @@ pub struct Llama {
     /// Blocks with features the fused attention and MLP lack run the plain ops regardless
     /// ([`Llama::fused_block`]).
     pub cpu_kernels: bool,
-    /// What the KV cache stores: f16 on the fused CPU path (half the bytes that every decode
-    /// step reads), else the activations' dtype. See [`kv_dtype`].
+    /// What the KV cache stores: the activations' dtype, or f16 on the fused CPU path when
+    /// [`crate::cpu::KV_SWITCH`] asks for it. See [`kv_dtype`].
     pub kv_dtype: FloatDType,
 }
 
@@ -422,8 +422,8 @@ fn transposed(data: &[f32], rows: usize, cols: usize, device: &Device) -> Tensor
     Tensor::from_data(TensorData::new(t, [cols, rows]), device)
 }
 
-/// The KV cache's storage dtype for activations of `dtype`: f16 where the fused CPU kernels run
-/// (unless [`crate::cpu::KV_SWITCH`] says f32), else `dtype` itself.
+/// The KV cache's storage dtype for activations of `dtype`: where the fused CPU kernels run,
+/// what [`crate::cpu::KV_SWITCH`] says (f32 unless set to f16); elsewhere `dtype` itself.
 pub fn kv_dtype(cpu_kernels: bool, dtype: FloatDType) -> Result<FloatDType> {
     #[cfg(feature = "flex")]
     if cpu_kernels {
