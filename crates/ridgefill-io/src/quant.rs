@@ -522,6 +522,177 @@ fn deq_q6_k(raw: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Group size and bit width of `ty`'s values written as `scale · q + min` (see
+/// [`unpack_scaled_into`]), `None` for a type without that form (floats, other quants).
+pub fn scaled_int_shape(ty: GgmlType) -> Option<(usize, u32)> {
+    /// Values sharing one Q6_K scale.
+    const Q6_K_GROUP: usize = 16;
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4_K => Some((QK, 4)),
+        GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5_K => Some((QK, 5)),
+        GgmlType::Q8_0 => Some((QK, 8)),
+        GgmlType::Q6_K => Some((Q6_K_GROUP, 6)),
+        _ => None,
+    }
+}
+
+/// Unpacks `ty`'s blocks into unsigned codes `q` (one per value, below `2^bits`) and one
+/// `scale`, `min` pair per group (see [`scaled_int_shape`]), so that value `i` is
+/// `scale[g] · q[i] + min[g]`, `g = i / group`: the one layout the GPU kernels read for every
+/// format. Signed formats fold their offset into `min` (`d·(q − 8) = d·q − 8d`); every product
+/// involved is exact in f32, so the values equal [`dequantize`]'s up to the final rounding.
+pub fn unpack_scaled_into(
+    ty: GgmlType,
+    raw: &[u8],
+    q: &mut [u8],
+    scale: &mut [f32],
+    min: &mut [f32],
+) -> Result<(), QuantError> {
+    check_len(ty, raw, q.len())?;
+    let Some((group, _)) = scaled_int_shape(ty) else {
+        return Err(QuantError::Unsupported(ty));
+    };
+    let groups = q.len() / group;
+    if scale.len() != groups || min.len() != groups {
+        return Err(QuantError::ByteLength {
+            ty,
+            n_elements: q.len(),
+            expected: groups,
+            found: scale.len().min(min.len()),
+        });
+    }
+    const HALF: usize = QK / 2;
+    let ts = ty.type_size();
+    let blocks = raw.chunks_exact(ts);
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let has_min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+            let five = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+            let offset = if five { Q5_0_OFFSET } else { Q4_0_OFFSET } as f32;
+            let qh_at = if has_min { 2 * F16_BYTES } else { F16_BYTES };
+            let qs_at = qh_at + if five { QH_BYTES } else { 0 };
+            for (((blk, q), s), m) in blocks
+                .zip(q.chunks_exact_mut(QK))
+                .zip(scale.iter_mut())
+                .zip(min.iter_mut())
+            {
+                let d = half_at(blk, 0);
+                *s = d;
+                *m = if has_min {
+                    half_at(blk, F16_BYTES)
+                } else {
+                    -offset * d
+                };
+                let qh = if five {
+                    u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]])
+                } else {
+                    0
+                };
+                let qs = &blk[qs_at..qs_at + HALF];
+                for j in 0..HALF {
+                    let h0 = (((qh >> j) & 1) << NIBBLE_BITS) as u8;
+                    let h1 = (((qh >> (j + HALF)) & 1) << NIBBLE_BITS) as u8;
+                    q[j] = (qs[j] & NIBBLE) | h0;
+                    q[j + HALF] = (qs[j] >> NIBBLE_BITS) | h1;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            /// Added to the signed codes to make them unsigned.
+            const I8_OFFSET: i32 = 128;
+            for (((blk, q), s), m) in blocks
+                .zip(q.chunks_exact_mut(QK))
+                .zip(scale.iter_mut())
+                .zip(min.iter_mut())
+            {
+                let d = half_at(blk, 0);
+                *s = d;
+                *m = -(I8_OFFSET as f32) * d;
+                for (o, &b) in q.iter_mut().zip(&blk[F16_BYTES..]) {
+                    *o = ((b as i8) as i32 + I8_OFFSET) as u8;
+                }
+            }
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            const SCALES_AT: usize = 2 * F16_BYTES;
+            const SUB: usize = 32;
+            let five = ty == GgmlType::Q5_K;
+            let qh_at = SCALES_AT + K_SCALE_BYTES;
+            let qs_at = qh_at + if five { QK_K / 8 } else { 0 };
+            let per = QK_K / SUB;
+            for (((blk, q), s), m) in blocks
+                .zip(q.chunks_exact_mut(QK_K))
+                .zip(scale.chunks_exact_mut(per))
+                .zip(min.chunks_exact_mut(per))
+            {
+                let d = half_at(blk, 0);
+                let dmin = half_at(blk, F16_BYTES);
+                let (sc, mn) = k_scale_min(&blk[SCALES_AT..qh_at]);
+                for j in 0..per {
+                    s[j] = d * sc[j] as f32;
+                    m[j] = -(dmin * mn[j] as f32);
+                }
+                let qh = &blk[qh_at..qs_at];
+                for (c, (qs, o)) in blk[qs_at..]
+                    .chunks_exact(SUB)
+                    .zip(q.chunks_exact_mut(2 * SUB))
+                    .enumerate()
+                {
+                    let (s1, s2) = (2 * c, 2 * c + 1);
+                    let (lo, hi) = o.split_at_mut(SUB);
+                    for l in 0..SUB {
+                        let (h1, h2) = if five {
+                            (
+                                ((qh[l] >> s1) & 1) << NIBBLE_BITS,
+                                ((qh[l] >> s2) & 1) << NIBBLE_BITS,
+                            )
+                        } else {
+                            (0, 0)
+                        };
+                        lo[l] = (qs[l] & NIBBLE) | h1;
+                        hi[l] = (qs[l] >> NIBBLE_BITS) | h2;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            const QL_BYTES: usize = QK_K / 2;
+            const SCALES_AT: usize = QL_BYTES + QK_K / 4;
+            const D_AT: usize = SCALES_AT + QK_K / 16;
+            const SUB: usize = 32;
+            let per = QK_K / group;
+            for (((blk, q), s), m) in blocks
+                .zip(q.chunks_exact_mut(QK_K))
+                .zip(scale.chunks_exact_mut(per))
+                .zip(min.chunks_exact_mut(per))
+            {
+                let d = half_at(blk, D_AT);
+                // Scales run in value order: 16 values each.
+                for (j, &sc) in blk[SCALES_AT..D_AT].iter().enumerate() {
+                    s[j] = d * (sc as i8) as f32;
+                    m[j] = -(Q6_K_OFFSET as f32) * s[j];
+                }
+                for h in 0..2 {
+                    let ql = &blk[h * 2 * SUB..(h + 1) * 2 * SUB];
+                    let qh = &blk[QL_BYTES + h * SUB..QL_BYTES + (h + 1) * SUB];
+                    let o = &mut q[h * QK_K / 2..(h + 1) * QK_K / 2];
+                    for l in 0..SUB {
+                        let hi = |k: u32| {
+                            ((qh[l] >> (TWO_BITS.count_ones() * k)) & TWO_BITS) << NIBBLE_BITS
+                        };
+                        o[l] = (ql[l] & NIBBLE) | hi(0);
+                        o[l + SUB] = (ql[l + SUB] & NIBBLE) | hi(1);
+                        o[l + 2 * SUB] = (ql[l] >> NIBBLE_BITS) | hi(2);
+                        o[l + 3 * SUB] = (ql[l + SUB] >> NIBBLE_BITS) | hi(3);
+                    }
+                }
+            }
+        }
+        _ => unreachable!("types without a scaled form returned above"),
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -634,5 +805,62 @@ mod tests {
             dequantize(GgmlType::Q2_K, &[0; 84], 256),
             Err(QuantError::Unsupported(GgmlType::Q2_K))
         ));
+    }
+
+    #[test]
+    fn scaled_ints_reproduce_dequantize() {
+        // Random bytes with sane f16 scales: every scale field is overwritten with a small value.
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
+        for ty in types {
+            let (group, bits) = scaled_int_shape(ty).unwrap();
+            let n = 2 * QK_K;
+            let mut raw: Vec<u8> = (0..n / ty.block_size() * ty.type_size())
+                .map(|_| next() as u8)
+                .collect();
+            let half_fields: &[usize] = match ty {
+                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+                _ => &[208],
+            };
+            for blk in raw.chunks_exact_mut(ty.type_size()) {
+                for &at in half_fields {
+                    let v = (next() % 2000) as f32 / 1000.0 - 1.0;
+                    blk[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+            }
+            let want = dequantize(ty, &raw, n).unwrap();
+            let (mut q, mut s, mut m) =
+                (vec![0u8; n], vec![0f32; n / group], vec![0f32; n / group]);
+            unpack_scaled_into(ty, &raw, &mut q, &mut s, &mut m).unwrap();
+            for (i, &w) in want.iter().enumerate() {
+                assert!(u32::from(q[i]) < 1 << bits, "{ty}: code {} at {i}", q[i]);
+                let got = s[i / group] * q[i] as f32 + m[i / group];
+                assert!(
+                    (got - w).abs() <= w.abs() * 1e-6,
+                    "{ty} at {i}: {got} vs {w}"
+                );
+            }
+        }
+        let mut q = [0u8; 32];
+        assert_eq!(
+            unpack_scaled_into(GgmlType::F16, &[0; 64], &mut q, &mut [0.0], &mut [0.0]),
+            Err(QuantError::Unsupported(GgmlType::F16))
+        );
     }
 }
