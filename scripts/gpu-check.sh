@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-call GPU check for a lent device machine (no network there): logit parity of flex against
 # every GPU backend the binary has, on random-weight models of SmolLM2-135M's and a 1B Llama's
-# shape, then `bench` (full vs fill) on each backend and `probe` ceilings. Results land in $OUT.
+# shape, then `bench` (full vs fill, and decode with packed vs dense weights) on each backend
+# and `probe` ceilings. Results land in $OUT.
 #
 # Build here, carry the binary, run there:
 #   cargo build --release && mkdir -p dist && cp "$CARGO_TARGET_DIR/release/ridgefill" dist/
@@ -41,6 +42,12 @@ step() { echo; echo "## $*"; echo; }
     timeout 300 "$bin" bench -m synthetic:llama-1b --device "$backend" --split 8 \
       -p 512,2048 -n 32 -r 5 -o md --out "$out/bench-$backend-llama1b.md" 2>&1 \
       && cat "$out/bench-$backend-llama1b.md"
+    # Decode reads every weight each step: its GB/s against probe's is the packed kernel's grade.
+    step "bench: $backend, synthetic:llama-1b decode, packed Q4_0 (native) vs dense f32"
+    for w in native f32; do
+      timeout 200 "$bin" bench -m synthetic:llama-1b --device "$backend" --weights "$w" \
+        -p 128 -n 64 -d 512 -b 1,8 -r 3 -o md 2>&1
+    done
   done
   step "bench: flex (same machine's CPU), synthetic:smollm2-135m"
   timeout 300 "$bin" bench -m synthetic:smollm2-135m --device cpu --split 15 -p 512 -n 32 -r 3 \

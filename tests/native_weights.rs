@@ -145,3 +145,76 @@ fn gemma3_block_weights_match_f32() {
         GEMMA_NLL_REL_TOL,
     );
 }
+
+/// Packed GPU weights hold the blocks' exact values, so wgpu at `native` matches flex at f32 up
+/// to summation order: prefill (decoded once per projection into burn's GEMM), a short prefill
+/// and decode steps (the packed kernel reads the codes).
+#[cfg(feature = "wgpu")]
+#[test]
+fn smollm2_packed_gpu_weights_match_flex_f32() {
+    /// f32 on both sides with exact weights: the golden tests' tolerance.
+    const TOL: f32 = 1e-3;
+    /// Rows the packed kernel takes in one pass (a short prompt).
+    const SHORT: usize = 5;
+    const DECODE_STEPS: usize = 4;
+    common::init();
+    let ckpt = common::smollm2_ckpt();
+    let gpu = ridgefill::model::select_device(ridgefill::model::DeviceChoice::Wgpu)
+        .unwrap()
+        .device;
+    let packed = common::load_with(ckpt, &gpu, WeightFormat::Native);
+    assert!(packed.layers.iter().all(|l| l.gate_up_proj.is_blocks()));
+    assert!(packed.lm_head.is_blocks(), "head");
+    assert!(
+        packed.weights_held().contains("Q4_1"),
+        "{}",
+        packed.weights_held()
+    );
+    let flex = common::smollm2_flex();
+    eprintln!(
+        "weights {} B packed on wgpu, {} B f32",
+        packed.weight_bytes(),
+        flex.weight_bytes()
+    );
+    assert!(packed.weight_bytes() * 3 < flex.weight_bytes());
+    let ids = text_ids(ckpt);
+    for n in [PROMPT, SHORT] {
+        let (mut ca, mut cb) = (
+            packed.new_cache(n + DECODE_STEPS),
+            flex.new_cache(n + DECODE_STEPS),
+        );
+        let a = to_host_f32(packed.prefill(&ids[..n], &mut ca).unwrap());
+        let b = to_host_f32(flex.prefill(&ids[..n], &mut cb).unwrap());
+        let d = common::max_abs_diff(&a, &b);
+        eprintln!("prefill {n}: max |Δlogit| {d:.2e}");
+        assert!(d < TOL, "prefill {n}: max |Δlogit| {d}");
+        for &id in &ids[n..n + DECODE_STEPS] {
+            let a = to_host_f32(packed.decode_step(id, &mut ca).unwrap());
+            let b = to_host_f32(flex.decode_step(id, &mut cb).unwrap());
+            let d = common::max_abs_diff(&a, &b);
+            assert!(d < TOL, "decode after {n}: max |Δlogit| {d}");
+        }
+    }
+    // Skip-and-fill runs on packed weights too: with every row exact it is full prefill.
+    let c = &packed.config;
+    let split = c.num_hidden_layers / 2;
+    let w = vec![vec![0.0f32; (c.hidden_size + 1) * c.kv_dim()]; c.num_hidden_layers - split];
+    let maps =
+        FillMaps::from_host(split, c.hidden_size, c.kv_dim(), &w, &w, packed.dtype, &gpu).unwrap();
+    let rows = FillRows {
+        sink: 1,
+        tail: SHORT,
+        ..FillRows::default()
+    };
+    let filled = packed
+        .prefill_fill(&ids[..SHORT], &mut packed.new_cache(SHORT), &maps, rows)
+        .unwrap();
+    let full = packed
+        .prefill(&ids[..SHORT], &mut packed.new_cache(SHORT))
+        .unwrap();
+    let d = common::max_abs_diff(&to_host_f32(filled), &to_host_f32(full));
+    assert!(
+        d < 1e-4,
+        "skip-fill with tail = n vs full on packed weights: max |Δ| {d}"
+    );
+}

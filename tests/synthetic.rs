@@ -693,7 +693,7 @@ fn synthetic_block_weights_quantise_the_dense_model() {
     }
     // Off the CPU kernels (another dtype) block formats fall back to dense.
     let bf = Llama::random_with(
-        config,
+        config.clone(),
         &Device::flex(),
         FloatDType::F16,
         WeightFormat::Native,
@@ -701,6 +701,43 @@ fn synthetic_block_weights_quantise_the_dense_model() {
         5,
     );
     assert_eq!(bf.unwrap().weights_held(), "dense f16");
+    // On a GPU the same Q4_0 blocks are packed for its kernel: 4-bit rounding off the dense
+    // model, as on the CPU, for prefill (decoded into the GEMM) and decode (the packed kernel).
+    // Exactness against the blocks' own values is `tests/native_weights.rs`'s check.
+    #[cfg(feature = "wgpu")]
+    {
+        let gpu = ridgefill::model::select_device(ridgefill::model::DeviceChoice::Wgpu)
+            .unwrap()
+            .device;
+        let packed = Llama::random_with(
+            config.clone(),
+            &gpu,
+            FloatDType::F32,
+            WeightFormat::Native,
+            64,
+            5,
+        )
+        .unwrap();
+        assert_eq!(packed.weights_held(), "packed (Q4_0)");
+        let err = common::max_abs_diff(&logits(&packed), &want);
+        assert!(
+            err <= 0.15 * spread,
+            "packed prefill vs dense: {err} of {spread}"
+        );
+        let (mut ca, mut cb) = (
+            packed.new_cache(ids.len() + 1),
+            dense.new_cache(ids.len() + 1),
+        );
+        packed.prefill(&ids, &mut ca).unwrap();
+        dense.prefill(&ids, &mut cb).unwrap();
+        let a = to_host_f32(packed.decode_step(ids[0], &mut ca).unwrap());
+        let b = to_host_f32(dense.decode_step(ids[0], &mut cb).unwrap());
+        let err = common::max_abs_diff(&a, &b);
+        assert!(
+            err <= 0.15 * spread,
+            "packed decode vs dense: {err} of {spread}"
+        );
+    }
 }
 
 /// Prefill in chunks of [`PREFILL_CHUNK`] rows gives the logits of one pass over every row, on

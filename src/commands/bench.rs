@@ -32,7 +32,7 @@ pub struct Args {
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: FloatDType,
     /// How GGUF weights are held: native (their block formats, read by the quantised CPU
-    /// kernels; dense elsewhere) | f16 | q8 | f32 (dequantised at load).
+    /// kernels or packed for the GPU kernel) | f16 | q8 | f32 (dequantised at load).
     #[arg(long, default_value = "native", value_parser = super::common::parse_weights)]
     pub weights: WeightFormat,
     /// Fill file from `ridgefill fit`: adds `fill` rows next to the `full` ones.

@@ -15,7 +15,7 @@ pub struct ModelArgs {
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: FloatDType,
     /// How GGUF weights are held: native (their block formats, read by the quantised CPU
-    /// kernels; dense elsewhere) | f16 | q8 (Q8_0 at load, e.g. for Hugging Face checkpoints) |
+    /// kernels or packed for the GPU kernel) | f16 | q8 (Q8_0 at load, e.g. for Hugging Face checkpoints) |
     /// f32 (dequantised at load).
     #[arg(long, default_value = "native", value_parser = parse_weights)]
     pub weights: WeightFormat,

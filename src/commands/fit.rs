@@ -26,7 +26,7 @@ pub struct Args {
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
     /// How GGUF weights are held: native (their block formats, read by the quantised CPU
-    /// kernels; dense elsewhere) | f16 | q8 | f32 (dequantised at load).
+    /// kernels or packed for the GPU kernel) | f16 | q8 | f32 (dequantised at load).
     #[arg(long, default_value = "native", value_parser = super::common::parse_weights)]
     pub weights: WeightFormat,
     /// Calibration text: files or directories (the Brown corpus is detected and detagged).

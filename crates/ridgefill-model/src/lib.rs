@@ -12,7 +12,10 @@ pub mod device;
 pub mod error;
 pub mod eval;
 pub mod fill;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod gpu;
 pub mod llama;
+pub mod packed;
 pub mod probe;
 pub mod rope;
 pub mod sample;

@@ -140,8 +140,10 @@ struct Loader<'a> {
     ckpt: &'a Checkpoint,
     device: &'a Device,
     dtype: FloatDType,
-    /// Projections go to the quantised CPU kernels in this format (`None`: dense tensors).
+    /// Projections are held quantised in this format (`None`: dense tensors).
     blocks: Option<WeightFormat>,
+    /// Blocks run on the flex CPU kernels (else they are packed for a GPU).
+    flex: bool,
 }
 
 impl Loader<'_> {
@@ -233,7 +235,10 @@ impl Loader<'_> {
     /// the format allows, else a dense `[in, Σ out_i]` tensor.
     fn proj(&self, parts: &[(String, usize)], inp: usize) -> Result<Weight> {
         match self.blocks_of(parts, inp)? {
-            Some(q) => Ok(Weight::Blocks(Arc::new(q))),
+            Some(q) => match Weight::from_blocks(Arc::new(q), self.device) {
+                Some(w) => Ok(w),
+                None => Ok(Weight::Dense(self.fused_t(parts, inp)?)),
+            },
             None => Ok(Weight::Dense(self.fused_t(parts, inp)?)),
         }
     }
@@ -270,6 +275,11 @@ impl Loader<'_> {
                         m => m.map_err(bad)?,
                     };
                     self.check_finite(name, &m)?;
+                    if !self.flex {
+                        // Packed for the GPU from the layout as stored.
+                        mats.push(m);
+                        continue;
+                    }
                     let m = m.prepared_for(SimdLevel::detect());
                     if m.is_row_lanes() {
                         // Rearranged into a copy: the mapped original need not stay resident.
@@ -289,9 +299,12 @@ impl Loader<'_> {
                     else {
                         return Ok(None);
                     };
-                    QMatrix::new(ty, *out, inp, WeightBytes::from_vec(bytes))
-                        .map_err(bad)?
-                        .prepared_for(SimdLevel::detect())
+                    let m =
+                        QMatrix::new(ty, *out, inp, WeightBytes::from_vec(bytes)).map_err(bad)?;
+                    match self.flex {
+                        true => m.prepared_for(SimdLevel::detect()),
+                        false => m,
+                    }
                 }
             };
             mats.push(m);
@@ -458,16 +471,20 @@ impl Llama {
             });
         }
         cfg.validate(&ckpt.path)?;
-        // The quantised kernels run on the host with f32 activations: flex only.
-        let blocks = (opts.weights != WeightFormat::F32
-            && opts.dtype == FloatDType::F32
-            && crate::device::is_flex(device))
+        // The CPU kernels run on the host with f32 activations; GPUs pack Q4_0 … Q6_K and Q8_0
+        // made at load (F16 weights stay dense there).
+        let flex = crate::device::is_flex(device);
+        let blocks = match flex {
+            true => opts.weights != WeightFormat::F32 && opts.dtype == FloatDType::F32,
+            false => matches!(opts.weights, WeightFormat::Native | WeightFormat::Q8),
+        }
         .then_some(opts.weights);
         let ld = Loader {
             ckpt,
             device,
             dtype: opts.dtype,
             blocks,
+            flex,
         };
         let d = cfg.hidden_size;
         let q_dim = cfg.num_attention_heads * cfg.head_dim();
@@ -541,8 +558,11 @@ impl Llama {
         let embed_tokens = ld.embedding(embed_name, cfg.vocab_size, d)?;
         let tied = cfg.tie_word_embeddings || !ckpt.has_tensor("lm_head.weight");
         let lm_head = match (&embed_tokens, tied) {
-            // The tied head reads the embedding's own blocks: no second copy.
-            (Weight::Blocks(_), true) => embed_tokens.clone(),
+            // The tied head reads the embedding's own blocks: no second copy on the CPU.
+            (Weight::Blocks(q), true) => match Weight::from_blocks(q.clone(), device) {
+                Some(w) => w,
+                None => Weight::Dense(ld.linear_t(embed_name, cfg.vocab_size, d)?),
+            },
             (_, true) => Weight::Dense(ld.linear_t(embed_name, cfg.vocab_size, d)?),
             (_, false) => ld.proj(&[("lm_head.weight".to_string(), cfg.vocab_size)], d)?,
         };
@@ -648,6 +668,7 @@ impl Llama {
         match w {
             Weight::Dense(w) => self.linear_dense(x, w),
             Weight::Blocks(q) => block_matmul(x, q, None),
+            Weight::Packed(p) => p.matmul(x),
         }
     }
 
@@ -663,6 +684,7 @@ impl Llama {
             }
             Weight::Dense(w) => residual + self.linear_dense(x, w),
             Weight::Blocks(q) => block_matmul(x, q, Some(residual)),
+            Weight::Packed(p) => residual + p.matmul(x),
         }
     }
 
@@ -701,32 +723,39 @@ impl Llama {
             .sum()
     }
 
-    /// How the projections are held, for reports: `blocks (Q4_1, Q8_0)` or `dense f32`.
+    /// How the projections are held, for reports: `blocks (Q4_1, Q8_0)` (CPU kernels),
+    /// `packed (Q4_1, Q8_0)` (GPU kernel) or `dense f32`.
     pub fn weights_held(&self) -> String {
-        let mut kinds: Vec<String> = Vec::new();
+        let mut kinds: Vec<&'static str> = Vec::new();
         let all = self
             .layers
             .iter()
             .flat_map(|l| [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj])
             .chain([&self.lm_head]);
-        let mut dense = false;
+        let (mut dense, mut packed) = (false, false);
         for w in all {
-            match w {
-                Weight::Blocks(q) => {
-                    for p in q.parts() {
-                        let n = p.ty().name().to_string();
-                        if !kinds.contains(&n) {
-                            kinds.push(n);
-                        }
-                    }
+            let names: Vec<&'static str> = match w {
+                Weight::Blocks(q) => q.parts().iter().map(|p| p.ty().name()).collect(),
+                Weight::Packed(p) => {
+                    packed = true;
+                    p.formats.clone()
                 }
-                Weight::Dense(_) => dense = true,
+                Weight::Dense(_) => {
+                    dense = true;
+                    Vec::new()
+                }
+            };
+            for n in names {
+                if !kinds.contains(&n) {
+                    kinds.push(n);
+                }
             }
         }
+        let how = if packed { "packed" } else { "blocks" };
         match (kinds.is_empty(), dense) {
             (true, _) => format!("dense {}", crate::dtype_name(self.dtype)),
-            (false, false) => format!("blocks ({})", kinds.join(", ")),
-            (false, true) => format!("blocks ({}) and dense", kinds.join(", ")),
+            (false, false) => format!("{how} ({})", kinds.join(", ")),
+            (false, true) => format!("{how} ({}) and dense", kinds.join(", ")),
         }
     }
 

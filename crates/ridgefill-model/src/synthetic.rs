@@ -49,6 +49,11 @@ pub fn block_type(weights: WeightFormat) -> Option<GgmlType> {
     }
 }
 
+/// A block type the GPU kernel cannot read (filtered out before any weight is made).
+fn unpacked() -> ModelError {
+    ModelError::Invalid("synthetic weights: block type has no packed GPU form".into())
+}
+
 /// SplitMix64: tiny, fast and the same everywhere.
 struct SplitMix(u64);
 
@@ -135,9 +140,10 @@ impl Gen<'_> {
     ) -> Result<Weight> {
         match ty {
             None => Ok(Weight::Dense(self.matrix(rows, cols, fan_in))),
-            Some(ty) => Ok(Weight::Blocks(Arc::new(
-                self.blocks(rows, cols, fan_in, true, ty)?,
-            ))),
+            Some(ty) => {
+                let q = Arc::new(self.blocks(rows, cols, fan_in, true, ty)?);
+                Weight::from_blocks(q, self.device).ok_or_else(unpacked)
+            }
         }
     }
 
@@ -198,8 +204,14 @@ impl Gen<'_> {
         if !done {
             return Err(bad());
         }
+        // The row-lane layout is for the CPU kernels; a GPU packs the blocks as stored.
+        let flex = crate::device::is_flex(self.device);
         let m = QMatrix::new(ty, out, inp, WeightBytes::from_vec(bytes))
-            .and_then(|m| QWeight::new(vec![m.prepared_for(SimdLevel::detect())]))
+            .map(|m| match flex {
+                true => m.prepared_for(SimdLevel::detect()),
+                false => m,
+            })
+            .and_then(|m| QWeight::new(vec![m]))
             .map_err(|e| ModelError::Invalid(format!("synthetic weights: {e}")))?;
         Ok(m)
     }
@@ -225,8 +237,9 @@ impl Llama {
     }
 
     /// [`Llama::random`] with weights held as `weights` says ([`block_type`]) where the
-    /// quantised CPU kernels run, dense elsewhere. Block weights are the dense model's values
-    /// quantised, with the tied head's `1/√hidden` moved into the final norm.
+    /// quantised CPU kernels run or packed on a GPU (not f16), dense elsewhere. Block weights
+    /// are the dense model's values quantised, with the tied head's `1/√hidden` moved into the
+    /// final norm.
     pub fn random_with(
         config: ModelConfig,
         device: &Device,
@@ -236,7 +249,10 @@ impl Llama {
         seed: u64,
     ) -> Result<Self> {
         let cpu_kernels = crate::llama::cpu_kernels_apply(device, dtype)?;
-        let ty = block_type(weights).filter(|_| cpu_kernels);
+        // Blocks run on the CPU kernels (f32 activations) or packed on a GPU.
+        let gpu = !crate::device::is_flex(device);
+        let packs = |t: &GgmlType| ridgefill_io::quant::scaled_int_shape(*t).is_some();
+        let ty = block_type(weights).filter(|t| cpu_kernels || (gpu && packs(t)));
         let d = config.hidden_size;
         let (q_dim, kv_dim, ff) = (config.q_dim(), config.kv_dim(), config.intermediate_size);
         let mut g = Gen {
@@ -277,7 +293,10 @@ impl Llama {
                 (Weight::Dense(e), head, g.norm(d))
             }
             Some(ty) => {
-                let e = Weight::Blocks(Arc::new(g.blocks(config.vocab_size, d, 1, false, ty)?));
+                let q = Arc::new(g.blocks(config.vocab_size, d, 1, false, ty)?);
+                let head =
+                    Weight::from_blocks(q.clone(), device).expect("synthetic block types pack");
+                let e = Weight::Blocks(q);
                 // Block heads have no scale of their own: the final norm (the head's only
                 // input) carries the tied head's.
                 let norm = g.norm(d);
@@ -285,7 +304,7 @@ impl Llama {
                     true => norm * head_scale,
                     false => norm,
                 };
-                (e.clone(), e, norm)
+                (e, head, norm)
             }
         };
         // The family's optional tensors.

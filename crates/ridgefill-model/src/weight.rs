@@ -7,16 +7,19 @@ use std::sync::Arc;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use ridgefill_quant::QWeight;
 
+use crate::packed::PackedWeight;
+
 /// How a checkpoint's weights are held (`--weights`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightFormat {
     /// GGUF weights in their block formats, read by the quantised CPU kernels (flex with f32
-    /// activations); elsewhere, and for Hugging Face checkpoints, dense at the model's dtype.
+    /// activations) or packed for the GPU kernel (`packed.rs`); Hugging Face checkpoints, and
+    /// flex at f16/bf16, dense at the model's dtype.
     #[default]
     Native,
     /// Dequantised at load to f16 blocks for the CPU kernels (dense elsewhere).
     F16,
-    /// Quantised at load to Q8_0 blocks for the CPU kernels (Hugging Face checkpoints).
+    /// Quantised at load to Q8_0 blocks for the CPU or GPU kernels (Hugging Face checkpoints).
     Q8,
     /// Dequantised at load to dense tensors at the model's dtype.
     F32,
@@ -63,9 +66,11 @@ impl std::fmt::Display for WeightFormat {
 pub enum Weight {
     /// A projection stored `[in, out]` (`x · w`); the embedding `[vocab, hidden]`.
     Dense(Tensor<2>),
-    /// Blocks `[out, in]` row by row (the embedding: `[vocab, hidden]`), on the host; only built
-    /// for the flex device.
+    /// Blocks `[out, in]` row by row (the embedding: `[vocab, hidden]`), on the host: projections
+    /// only for the flex device; on GPU devices, the embedding, whose rows are gathered on the host.
     Blocks(Arc<QWeight>),
+    /// Codes and scales on a GPU device, read by the packed-weight kernel.
+    Packed(Arc<PackedWeight>),
 }
 
 impl Weight {
@@ -74,7 +79,17 @@ impl Weight {
         match self {
             Weight::Dense(t) => t.dims(),
             Weight::Blocks(q) => [q.cols(), q.rows()],
+            Weight::Packed(p) => [p.cols, p.rows],
         }
+    }
+
+    /// A projection from blocks as `device` runs it: the blocks themselves for the CPU kernels,
+    /// packed onto a GPU; `None` where a GPU cannot pack them (F16 or BF16 parts stay dense).
+    pub fn from_blocks(q: Arc<QWeight>, device: &Device) -> Option<Weight> {
+        if crate::device::is_flex(device) {
+            return Some(Weight::Blocks(q));
+        }
+        PackedWeight::pack(&q, device).map(|p| Weight::Packed(Arc::new(p)))
     }
 
     /// The projection as a dense `[in, out]` tensor (block weights dequantised): for the fill's
@@ -86,6 +101,7 @@ impl Weight {
                 let data = TensorData::new(q.dequantize(), [q.rows(), q.cols()]);
                 Tensor::<2>::from_data(data, device).transpose().cast(dtype)
             }
+            Weight::Packed(p) => p.dense().cast(dtype),
         }
     }
 
@@ -97,6 +113,7 @@ impl Weight {
                 let data = TensorData::new(q.dequantize(), [q.rows(), q.cols()]);
                 Tensor::<2>::from_data(data, device).cast(dtype)
             }
+            Weight::Packed(p) => p.dense().transpose().cast(dtype),
         }
     }
 
@@ -105,24 +122,21 @@ impl Weight {
         match self {
             Weight::Dense(t) => t.shape().num_elements() * t.dtype().size(),
             Weight::Blocks(q) => q.bytes(),
+            Weight::Packed(p) => p.bytes(),
         }
     }
 
-    /// Whether the weight is held in blocks for the quantised kernels.
+    /// Whether the weight is held quantised: blocks for the CPU kernels or packed on a GPU.
     pub fn is_blocks(&self) -> bool {
-        matches!(self, Weight::Blocks(_))
+        matches!(self, Weight::Blocks(_) | Weight::Packed(_))
     }
 
     /// Rows `ids` of an embedding, `[ids.len(), hidden]`.
     pub(crate) fn gather_rows(&self, ids: &[u32], device: &Device, dtype: FloatDType) -> Tensor<2> {
-        match self {
-            Weight::Dense(t) => {
-                let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-                let n = ids.len();
-                let ids =
-                    Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(ids, [n]), device);
-                t.clone().select(0, ids)
-            }
+        let table = match self {
+            Weight::Dense(t) => t.clone(),
+            // Embeddings stay blocks on every device; a packed table is only ever a head.
+            Weight::Packed(p) => p.dense().transpose().cast(dtype),
             Weight::Blocks(q) => {
                 let d = q.cols();
                 let mut out = vec![0.0f32; ids.len() * d];
@@ -131,8 +145,13 @@ impl Weight {
                     q.dequantize_rows_into(id as usize, row)
                         .expect("embedding row within the vocabulary");
                 }
-                Tensor::<2>::from_data(TensorData::new(out, [ids.len(), d]), device).cast(dtype)
+                return Tensor::<2>::from_data(TensorData::new(out, [ids.len(), d]), device)
+                    .cast(dtype);
             }
-        }
+        };
+        let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        let n = ids.len();
+        let ids = Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(ids, [n]), device);
+        table.select(0, ids)
     }
 }
