@@ -64,6 +64,23 @@ fn run(m: &Llama, ids: &[u32]) -> (Vec<f32>, f64, Vec<usize>) {
     (first, nll / (STEPS + 1) as f64, top)
 }
 
+/// Logits of skip-and-fill prefill of `ids` with every row exact (zero maps at half depth).
+fn fill_every_row_exact(m: &Llama, ids: &[u32], dev: &Device) -> Vec<f32> {
+    let c = &m.config;
+    let split = c.num_hidden_layers / 2;
+    let w = vec![vec![0.0f32; (c.hidden_size + 1) * c.kv_dim()]; c.num_hidden_layers - split];
+    let maps = FillMaps::from_host(split, c.hidden_size, c.kv_dim(), &w, &w, m.dtype, dev).unwrap();
+    let rows = FillRows {
+        sink: 1,
+        tail: ids.len(),
+        ..FillRows::default()
+    };
+    to_host_f32(
+        m.prefill_fill(ids, &mut m.new_cache(ids.len()), &maps, rows)
+            .unwrap(),
+    )
+}
+
 fn check(name: &str, ckpt: &Checkpoint, nll_tol: f64) {
     let dev = Device::flex();
     let native = common::load_with(ckpt, &dev, WeightFormat::Native);
@@ -103,21 +120,7 @@ fn check(name: &str, ckpt: &Checkpoint, nll_tol: f64) {
         ta.len()
     );
     // Skip-and-fill with every row exact equals full prefill on block weights too.
-    let c = &native.config;
-    let split = c.num_hidden_layers / 2;
-    let w = vec![vec![0.0f32; (c.hidden_size + 1) * c.kv_dim()]; c.num_hidden_layers - split];
-    let maps =
-        FillMaps::from_host(split, c.hidden_size, c.kv_dim(), &w, &w, native.dtype, &dev).unwrap();
-    let rows = FillRows {
-        sink: 1,
-        tail: PROMPT,
-        ..FillRows::default()
-    };
-    let got = to_host_f32(
-        native
-            .prefill_fill(&ids[..PROMPT], &mut native.new_cache(PROMPT), &maps, rows)
-            .unwrap(),
-    );
+    let got = fill_every_row_exact(&native, &ids[..PROMPT], &dev);
     let d = common::max_abs_diff(&got, &pa);
     assert!(
         d < 1e-4,
@@ -196,23 +199,13 @@ fn smollm2_packed_gpu_weights_match_flex_f32() {
         }
     }
     // Skip-and-fill runs on packed weights too: with every row exact it is full prefill.
-    let c = &packed.config;
-    let split = c.num_hidden_layers / 2;
-    let w = vec![vec![0.0f32; (c.hidden_size + 1) * c.kv_dim()]; c.num_hidden_layers - split];
-    let maps =
-        FillMaps::from_host(split, c.hidden_size, c.kv_dim(), &w, &w, packed.dtype, &gpu).unwrap();
-    let rows = FillRows {
-        sink: 1,
-        tail: SHORT,
-        ..FillRows::default()
-    };
-    let filled = packed
-        .prefill_fill(&ids[..SHORT], &mut packed.new_cache(SHORT), &maps, rows)
-        .unwrap();
-    let full = packed
-        .prefill(&ids[..SHORT], &mut packed.new_cache(SHORT))
-        .unwrap();
-    let d = common::max_abs_diff(&to_host_f32(filled), &to_host_f32(full));
+    let filled = fill_every_row_exact(&packed, &ids[..SHORT], &gpu);
+    let full = to_host_f32(
+        packed
+            .prefill(&ids[..SHORT], &mut packed.new_cache(SHORT))
+            .unwrap(),
+    );
+    let d = common::max_abs_diff(&filled, &full);
     assert!(
         d < 1e-4,
         "skip-fill with tail = n vs full on packed weights: max |Δ| {d}"

@@ -817,16 +817,12 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        let types = [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q5_1,
-            GgmlType::Q8_0,
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-        ];
+        let types: Vec<GgmlType> = GgmlType::ALL
+            .iter()
+            .copied()
+            .filter(|&t| scaled_int_shape(t).is_some())
+            .collect();
+        assert_eq!(types.len(), 8, "{types:?}");
         for ty in types {
             let (group, bits) = scaled_int_shape(ty).unwrap();
             let n = 2 * QK_K;
