@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load measurements of a running `ridgefill serve` (Python stdlib only), for docs/BENCHMARKS.md.
 
-  serve_load.py URL streams   [--tokens N] [--clients 1,8]
+  serve_load.py URL streams   [--tokens N] [--clients 1,8] [--temperature T]
       aggregate decode tokens/s of N concurrent streamed requests, against one stream
   serve_load.py URL longprompt [--prompt-tokens 4096] [--streams 4]
       a long prompt arrives while STREAMS streams decode: their longest pause between tokens
@@ -67,7 +67,8 @@ def streams(a):
     rows = []
     for clients in [int(c) for c in a.clients.split(",")]:
         bodies = [
-            {"prompt": f"Story {i}: " + filler(40, i), "max_tokens": a.tokens, "temperature": 0, "ignore_eos": True}
+            {"prompt": f"Story {i}: " + filler(40, i), "max_tokens": a.tokens, "temperature": a.temperature,
+             "seed": i, "ignore_eos": True}
             for i in range(clients)
         ]
         res = run_parallel(a.url, bodies)
@@ -134,6 +135,7 @@ def main():
     p.add_argument("mode", choices=["streams", "longprompt", "ttft"])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--clients", default="1,8")
+    p.add_argument("--temperature", type=float, default=0.0, help="streams: sampling temperature (0: greedy)")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--delay", type=float, default=2.0)

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
 use ridgefill::model::fill::{FillMaps, FillPrefill, FillRows};
 use ridgefill::model::llama::{Llama, PREFILL_CHUNK};
+use ridgefill::model::sample::sample_rows;
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -181,11 +182,16 @@ impl<'m> Engine<'m> {
             };
             self.metrics.record_decode(ready.len(), t0.elapsed());
             let vocab = self.model.config.vocab_size;
-            for (row, &i) in ready.iter().enumerate() {
-                let s = &mut active[i];
-                let l = &logits[row * vocab..(row + 1) * vocab];
-                let token = s.sampler.sample(l);
-                s.accept(token, &eos);
+            let tokens = {
+                let mut samplers: Vec<&mut Sampler> = active
+                    .iter_mut()
+                    .filter(|s| s.next.is_some())
+                    .map(|s| &mut s.sampler)
+                    .collect();
+                sample_rows(&mut samplers, &logits, vocab)
+            };
+            for (&token, &i) in tokens.iter().zip(&ready) {
+                active[i].accept(token, &eos);
             }
             // Finished sequences leave; their slots take new requests next round.
             let mut i = 0;
