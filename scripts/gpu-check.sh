@@ -46,7 +46,7 @@ step() { echo; echo "## $*"; echo; }
     step "bench: $backend, synthetic:llama-1b decode, packed Q4_0 (native) vs dense f32"
     for w in native f32; do
       timeout 200 "$bin" bench -m synthetic:llama-1b --device "$backend" --weights "$w" \
-        -p 128 -n 64 -d 512 -b 1,8 -r 3 -o md 2>&1
+        -p 128 -n 64 -d 512 -b 1,8,16 -r 3 -o md 2>&1
     done
   done
   step "bench: flex (same machine's CPU), synthetic:smollm2-135m"

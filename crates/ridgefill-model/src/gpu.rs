@@ -4,7 +4,7 @@
 //!
 //! A cube holds `ROWS_PER_CUBE` output features, one row of `WIDTH` units each; the units of a
 //! row take turns at its packed words (so neighbouring units read neighbouring words), decode
-//! each word's codes, and accumulate `scale · Σ q·x + min · Σ x` for up to `DECODE_ROWS` activation
+//! each word's codes, and accumulate `scale · Σ q·x + min · Σ x` for up to `TILE_ROWS` activation
 //! rows at once, so a weight word is read once per tile rather than once per activation row.
 //! The partial sums meet in shared memory.
 
@@ -17,12 +17,14 @@ use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
-use crate::packed::{DECODE_ROWS, PackedWeight};
+use crate::packed::PackedWeight;
 
 /// Units sharing one output feature (a warp / subgroup on most GPUs).
 const WIDTH: u32 = 32;
 /// Output features per cube.
 const ROWS_PER_CUBE: u32 = 8;
+/// Activation rows one pass over the weight serves (accumulators per unit).
+const TILE_ROWS: usize = 8;
 
 /// Output spec of [`PackedOps::packed_matmul`]: `[m, rows]` f32.
 fn packed_meta(
@@ -74,7 +76,7 @@ impl PackedOps for CubeBackend {
             buffer,
             DType::F32,
         );
-        let tile = m.min(DECODE_ROWS).next_power_of_two();
+        let tile = m.min(TILE_ROWS).next_power_of_two();
         let count = CubeCount::Static(
             (rows as u32).div_ceil(ROWS_PER_CUBE),
             m.div_ceil(tile) as u32,

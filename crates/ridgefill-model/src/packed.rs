@@ -14,8 +14,9 @@ const WORD_BITS: u32 = 32;
 /// Code widths the kernel reads: nibbles where every part fits them, else bytes.
 const NIBBLE: u32 = 4;
 const BYTE: u32 = 8;
-/// Activation rows up to which the packed kernel runs (decode, batched decode).
-pub const DECODE_ROWS: usize = 8;
+/// Activation rows up to which the packed kernel runs (decode, batched decode): it reads the
+/// weight once per 8 rows, where a longer prefill decodes it once into burn's GEMM instead.
+pub const KERNEL_MAX_ROWS: usize = 32;
 
 /// A projection `[out, in]` as packed codes and per-group scales on the device.
 #[derive(Clone)]
@@ -117,7 +118,7 @@ impl PackedWeight {
     pub fn matmul(&self, x: Tensor<2>) -> Tensor<2> {
         // Past a few rows the weight is better decoded once into burn's tuned GEMM: one
         // projection's transient f32 copy, never all of them.
-        if x.dims()[0] > DECODE_ROWS {
+        if x.dims()[0] > KERNEL_MAX_ROWS {
             let dtype: burn::tensor::FloatDType = x.dtype().into();
             return x.matmul(self.dense().cast(dtype));
         }
@@ -210,7 +211,8 @@ mod tests {
             let q = Arc::new(QWeight::new(parts).unwrap());
             let p = PackedWeight::pack(&q, &device).unwrap();
             let want_w = q.dequantize();
-            for m in [1, 3, 8, 21] {
+            // One pass, one pass of a partial tile, three passes, the GEMM route.
+            for m in [1, 3, 8, 21, 40] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919 % 997) as f32 / 498.5) - 1.0)
                     .collect();
