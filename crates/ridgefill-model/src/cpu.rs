@@ -456,6 +456,14 @@ simd_fn! {
     }
 }
 
+simd_fn! {
+    /// Replaces each x by e^(x - shift), vectorised, and stores their sum in `sum` (the
+    /// sampler's weights over a whole vocabulary).
+    pub(crate) fn exp_shifted(xs: &mut [f32], shift: f32, sum: &mut f32) {
+        *sum = exp_shifted_sum(xs, shift);
+    }
+}
+
 /// `e^x` to about 2 ulp (Cephes polynomial, branch-free so loops over it vectorise).
 #[inline(always)]
 fn exp(x: f32) -> f32 {

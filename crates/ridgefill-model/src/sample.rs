@@ -102,26 +102,41 @@ impl Sampler {
             cand.truncate(k);
         }
         let max = cand.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.1));
-        // Each candidate's exp(x − max) once; sums in f64, since the walk below visits the
-        // candidates in rank order and the sums need not.
-        let weights: Vec<f32> = cand.iter().map(|&(_, x)| (x - max).exp()).collect();
-        let total: f64 = weights.iter().map(|&e| f64::from(e)).sum();
+        // Each candidate's weight exp(x − max), once; the total in f64.
+        let mut weights: Vec<f32> = cand.iter().map(|c| c.1).collect();
+        let total = exp_weights(&mut weights, max);
         // min-p: drop tokens below min_p × the top probability (`exp(0) / total`).
         if self.cfg.min_p > 0.0 {
             let floor = f64::from(self.cfg.min_p) / total;
-            let mut w = weights.iter();
-            cand.retain(|_| w.next().is_some_and(|&e| f64::from(e) / total >= floor));
+            (cand, weights) = cand
+                .iter()
+                .zip(&weights)
+                .filter(|&(_, &e)| f64::from(e) / total >= floor)
+                .map(|(&c, &e)| (c, e))
+                .unzip();
             if cand.is_empty() {
                 // Only reachable through rounding: the top token always passes.
                 return argmax(logits);
             }
         }
+        if self.cfg.top_p >= 1.0 {
+            // No nucleus to cut: the draw walks the candidates in the order they are held
+            // (a deterministic one), which gives the rank order's distribution unranked.
+            let mass: f64 = sum_f64(&weights);
+            let mut r = f64::from(self.rng.random::<f32>()) * mass;
+            for (&(id, _), &e) in cand.iter().zip(&weights) {
+                let e = f64::from(e);
+                if r < e {
+                    return id;
+                }
+                r -= e;
+            }
+            return cand[cand.len() - 1].0;
+        }
         let prob = |x: f32| f64::from((x - max).exp()) / total;
-        // With nothing dropped, the candidates' mass is the whole total's.
-        let all_mass = (self.cfg.min_p <= 0.0).then_some(1.0);
         let mut ranked = Ranked::new(cand);
-        // top-p: smallest prefix whose mass reaches top_p; else every candidate.
-        let (keep, mass) = if self.cfg.top_p < 1.0 {
+        // top-p: the smallest prefix in rank order whose mass reaches top_p.
+        let (keep, mass) = {
             let mut acc = 0.0;
             let mut n = 0;
             while n < ranked.len() {
@@ -132,10 +147,6 @@ impl Sampler {
                 }
             }
             (n, acc)
-        } else {
-            let mass =
-                all_mass.unwrap_or_else(|| ranked.all().iter().map(|&(_, x)| prob(x)).sum::<f64>());
-            (ranked.len(), mass)
         };
         let mut r = f64::from(self.rng.random::<f32>()) * mass;
         for i in 0..keep {
@@ -175,6 +186,39 @@ pub fn sample_rows(samplers: &mut [&mut Sampler], logits: &[f32], vocab: usize) 
     picked.into_iter().map(|p| p.into_inner()).collect()
 }
 
+/// Replaces each x by e^(x − max) and returns their sum in f64 (vectorised on the CPU build).
+fn exp_weights(xs: &mut [f32], max: f32) -> f64 {
+    #[cfg(feature = "flex")]
+    {
+        let mut sum = 0.0f32;
+        crate::cpu::exp_shifted(xs, max, &mut sum);
+        sum_f64(xs)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        xs.iter_mut().for_each(|x| *x = (*x - max).exp());
+        sum_f64(xs)
+    }
+}
+
+/// Σ xs in f64, over independent lanes so the additions overlap.
+fn sum_f64(xs: &[f32]) -> f64 {
+    const LANES: usize = 8;
+    let mut acc = [0f64; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] += f64::from(c[l]);
+        }
+    }
+    acc.iter().sum::<f64>()
+        + chunks
+            .remainder()
+            .iter()
+            .map(|&x| f64::from(x))
+            .sum::<f64>()
+}
+
 /// Most likely first; ties by token id (a total order, so selection and sorting agree).
 fn rank(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
@@ -198,11 +242,6 @@ impl Ranked {
 
     fn len(&self) -> usize {
         self.cand.len()
-    }
-
-    /// Every candidate, in no particular order.
-    fn all(&self) -> &[(u32, f32)] {
-        &self.cand
     }
 
     /// The `i`-th candidate in rank order.
@@ -344,8 +383,9 @@ mod tests {
     }
 
     /// Lazy ranking draws the token a full sort draws from the same random number, on a
-    /// vocabulary-sized spread of logits with ties and non-finite values, for every filter
-    /// (only a draw within float rounding of a boundary may differ: the sums run in other orders).
+    /// vocabulary-sized spread of logits with ties and non-finite values, wherever a nucleus is
+    /// cut (only a draw within float rounding of a boundary may differ: the sums run in other
+    /// orders).
     #[test]
     fn lazy_ranking_draws_what_a_full_sort_draws() {
         const VOCAB: usize = 49_152;
@@ -357,11 +397,10 @@ mod tests {
         logits[17] = f32::NAN;
         logits[99] = f32::NEG_INFINITY;
         logits[500] = logits[501];
+        // With a nucleus to cut (top-p < 1) the walk runs in rank order, draw for draw.
         let configs = [
-            (1.0, 0, 1.0, 0.0),
             (1.0, 0, 0.9, 0.0),
             (0.8, 40, 0.95, 0.05),
-            (0.7, 0, 1.0, 0.05),
             (1.3, 1000, 0.5, 0.0),
             (0.5, 0, 0.99, 0.01),
         ];
@@ -417,6 +456,48 @@ mod tests {
                 .collect();
             let mut refs: Vec<&mut Sampler> = pooled.iter_mut().collect();
             assert_eq!(sample_rows(&mut refs, &logits, VOCAB), want);
+        }
+    }
+
+    /// Without a nucleus to cut, draws follow the definition's distribution (softmax at the
+    /// temperature, min-p applied): frequencies within five standard errors.
+    #[test]
+    fn untruncated_draws_follow_the_softmax() {
+        const VOCAB: usize = 64;
+        const DRAWS: usize = 40_000;
+        let logits: Vec<f32> = (0..VOCAB).map(|i| ((i * 37) % 64) as f32 / 16.0).collect();
+        for (temperature, min_p) in [(1.0f32, 0.0f32), (0.7, 0.05)] {
+            let cfg = SamplerConfig {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                min_p,
+                seed: 5,
+            };
+            let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let w: Vec<f64> = logits
+                .iter()
+                .map(|&x| f64::from((x - max) / temperature).exp())
+                .collect();
+            let kept: Vec<f64> = w
+                .iter()
+                .map(|&e| if e >= f64::from(min_p) { e } else { 0.0 })
+                .collect();
+            let total: f64 = kept.iter().sum();
+            let mut counts = vec![0usize; VOCAB];
+            let mut s = Sampler::new(cfg);
+            for _ in 0..DRAWS {
+                counts[s.sample(&logits) as usize] += 1;
+            }
+            for (t, (&c, &e)) in counts.iter().zip(&kept).enumerate() {
+                let p = e / total;
+                let f = c as f64 / DRAWS as f64;
+                let se = (p * (1.0 - p) / DRAWS as f64).sqrt();
+                assert!(
+                    (f - p).abs() <= 5.0 * se + 1e-4,
+                    "T{temperature} min-p {min_p}: token {t} drawn {f}, p {p}"
+                );
+            }
         }
     }
 }
