@@ -77,10 +77,11 @@ impl Sampler {
 
     /// Picks the next token from one position's logits.
     ///
-    /// Candidates are walked from the most likely down, as a full sort would order them, but
-    /// only as far as the walk goes: top-k is a selection, and the remaining candidates are
-    /// sorted a growing block at a time ([`Ranked`]). A full sort of a 49k vocabulary cost ~2 ms
-    /// a token, a third of a single stream's decode and far more than a batched step's share.
+    /// Top-k is a selection and min-p a filter. Where top-p cuts a nucleus, the candidates are
+    /// walked from the most likely down, as a full sort would order them, but sorted only as
+    /// far as the walk goes, a growing block at a time ([`Ranked`]); where it cuts nothing the
+    /// draw needs no order at all. A full sort of a 49k vocabulary cost ~2 ms a token, a third
+    /// of a single stream's decode and far more than a batched step's share.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.cfg.temperature <= 0.0 || self.cfg.top_k == 1 {
             return argmax(logits);
