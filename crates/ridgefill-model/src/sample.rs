@@ -87,20 +87,18 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.cfg.temperature;
-        let mut cand: Vec<(u32, f32)> = logits
+        let finite = logits
             .iter()
             .enumerate()
             .filter(|(_, x)| x.is_finite())
-            .map(|(i, &x)| (i as u32, x * inv_t))
-            .collect();
+            .map(|(i, &x)| (i as u32, x * inv_t));
+        // top-k: the k best under the same order a sort would give, in no particular order.
+        let mut cand = match self.cfg.top_k {
+            0 => finite.collect(),
+            k => top_k(finite, k),
+        };
         if cand.is_empty() {
             return argmax(logits);
-        }
-        // top-k: the k best under the same order a sort would give, in no particular order.
-        let k = self.cfg.top_k;
-        if k > 0 && k < cand.len() {
-            cand.select_nth_unstable_by(k - 1, rank);
-            cand.truncate(k);
         }
         let max = cand.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.1));
         // Each candidate's weight exp(x − max), once; the total in f64.
@@ -185,6 +183,32 @@ pub fn sample_rows(samplers: &mut [&mut Sampler], logits: &[f32], vocab: usize) 
         picked[i].store(token, std::sync::atomic::Ordering::Relaxed);
     });
     picked.into_iter().map(|p| p.into_inner()).collect()
+}
+
+/// The `k` best of `items` under [`rank`], in no particular order: a buffer of up to `2k` is cut
+/// back to its best `k` when full, and an item enters only if it beats the worst kept one, so
+/// a vocabulary costs one comparison per logit rather than a selection over all of them.
+fn top_k(items: impl Iterator<Item = (u32, f32)>, k: usize) -> Vec<(u32, f32)> {
+    let mut buf: Vec<(u32, f32)> = Vec::with_capacity(2 * k);
+    // The worst of the kept k once the buffer has been cut (items arrive in id order, so an
+    // equal value ranks below it and stays out).
+    let mut floor: Option<(u32, f32)> = None;
+    for it in items {
+        if floor.is_some_and(|f| rank(&it, &f) != std::cmp::Ordering::Less) {
+            continue;
+        }
+        buf.push(it);
+        if buf.len() == 2 * k {
+            buf.select_nth_unstable_by(k - 1, rank);
+            buf.truncate(k);
+            floor = Some(buf[k - 1]);
+        }
+    }
+    if buf.len() > k {
+        buf.select_nth_unstable_by(k - 1, rank);
+        buf.truncate(k);
+    }
+    buf
 }
 
 /// Replaces each x by e^(x − max) and returns their sum in f64 (vectorised on the CPU build).
