@@ -457,10 +457,10 @@ simd_fn! {
 }
 
 simd_fn! {
-    /// Replaces each x by e^(x - shift), vectorised, and stores their sum in `sum` (the
-    /// sampler's weights over a whole vocabulary).
-    pub(crate) fn exp_shifted(xs: &mut [f32], shift: f32, sum: &mut f32) {
-        *sum = exp_shifted_sum(xs, shift);
+    /// Replaces each x by e^(x - shift), vectorised (the sampler's weights over a vocabulary,
+    /// which it sums in f64 itself).
+    pub(crate) fn exp_shifted(xs: &mut [f32], shift: f32) {
+        xs.iter_mut().for_each(|x| *x = exp(*x - shift));
     }
 }
 

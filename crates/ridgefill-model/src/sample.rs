@@ -132,14 +132,20 @@ impl Sampler {
             }
             return cand[cand.len() - 1].0;
         }
-        let prob = |x: f32| f64::from((x - max).exp()) / total;
-        let mut ranked = Ranked::new(cand);
+        // Each candidate ranked with the weight already computed for it.
+        let mut ranked = Ranked::new(
+            cand.iter()
+                .zip(&weights)
+                .map(|(&(id, x), &e)| (id, x, e))
+                .collect(),
+        );
+        let prob = |e: f32| f64::from(e) / total;
         // top-p: the smallest prefix in rank order whose mass reaches top_p.
         let (keep, mass) = {
             let mut acc = 0.0;
             let mut n = 0;
             while n < ranked.len() {
-                acc += prob(ranked.get(n).1);
+                acc += prob(ranked.get(n).2);
                 n += 1;
                 if acc >= f64::from(self.cfg.top_p) {
                     break;
@@ -149,8 +155,8 @@ impl Sampler {
         };
         let mut r = f64::from(self.rng.random::<f32>()) * mass;
         for i in 0..keep {
-            let (id, x) = ranked.get(i);
-            let p = prob(x);
+            let (id, _, e) = ranked.get(i);
+            let p = prob(e);
             if r < p {
                 return id;
             }
@@ -214,16 +220,10 @@ fn top_k(items: impl Iterator<Item = (u32, f32)>, k: usize) -> Vec<(u32, f32)> {
 /// Replaces each x by e^(x − max) and returns their sum in f64 (vectorised on the CPU build).
 fn exp_weights(xs: &mut [f32], max: f32) -> f64 {
     #[cfg(feature = "flex")]
-    {
-        let mut sum = 0.0f32;
-        crate::cpu::exp_shifted(xs, max, &mut sum);
-        sum_f64(xs)
-    }
+    crate::cpu::exp_shifted(xs, max);
     #[cfg(not(feature = "flex"))]
-    {
-        xs.iter_mut().for_each(|x| *x = (*x - max).exp());
-        sum_f64(xs)
-    }
+    xs.iter_mut().for_each(|x| *x = (*x - max).exp());
+    sum_f64(xs)
 }
 
 /// Σ xs in f64, over independent lanes so the additions overlap.
@@ -249,19 +249,25 @@ fn rank(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
 
-/// Candidates in [`rank`] order, sorted lazily: a block at a time, each selected from what is
-/// left and then sorted, blocks growing fourfold, so a walk that stops early costs O(n).
+/// Candidates `(id, scaled logit, weight)` in [`rank`] order, sorted lazily: a block at a time,
+/// each selected from what is left and then sorted, blocks growing fourfold, so a walk that
+/// stops early costs O(n).
 struct Ranked {
-    cand: Vec<(u32, f32)>,
+    cand: Vec<(u32, f32, f32)>,
     /// `cand[..sorted]` is in final order.
     sorted: usize,
+}
+
+/// [`rank`] on a candidate with its weight.
+fn rank_weighted(a: &(u32, f32, f32), b: &(u32, f32, f32)) -> std::cmp::Ordering {
+    rank(&(a.0, a.1), &(b.0, b.1))
 }
 
 impl Ranked {
     /// The first block: enough for a typical nucleus.
     const FIRST_BLOCK: usize = 256;
 
-    fn new(cand: Vec<(u32, f32)>) -> Self {
+    fn new(cand: Vec<(u32, f32, f32)>) -> Self {
         Self { cand, sorted: 0 }
     }
 
@@ -270,15 +276,15 @@ impl Ranked {
     }
 
     /// The `i`-th candidate in rank order.
-    fn get(&mut self, i: usize) -> (u32, f32) {
+    fn get(&mut self, i: usize) -> (u32, f32, f32) {
         while self.sorted <= i {
             let block = Self::FIRST_BLOCK.max(3 * self.sorted);
             let end = (self.sorted + block).min(self.cand.len());
             let rest = &mut self.cand[self.sorted..];
             if end < self.sorted + rest.len() {
-                rest.select_nth_unstable_by(end - self.sorted - 1, rank);
+                rest.select_nth_unstable_by(end - self.sorted - 1, rank_weighted);
             }
-            self.cand[self.sorted..end].sort_unstable_by(rank);
+            self.cand[self.sorted..end].sort_unstable_by(rank_weighted);
             self.sorted = end;
         }
         self.cand[i]
