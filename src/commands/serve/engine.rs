@@ -163,15 +163,13 @@ impl<'m> Engine<'m> {
             }
             let t0 = Instant::now();
             let tokens: Vec<u32> = ready.iter().map(|&i| active[i].next.unwrap_or(0)).collect();
-            let result = {
-                let mut caches: Vec<&mut KvCache> = active
-                    .iter_mut()
-                    .filter(|s| s.next.is_some())
-                    .map(|s| &mut s.cache)
-                    .collect();
-                self.model.decode_batch(&tokens, &mut caches)
-            };
-            let logits = match result {
+            // The decoding sequences' caches and samplers, in `ready`'s order.
+            let (mut caches, mut samplers): (Vec<&mut KvCache>, Vec<&mut Sampler>) = active
+                .iter_mut()
+                .filter(|s| s.next.is_some())
+                .map(|s| (&mut s.cache, &mut s.sampler))
+                .unzip();
+            let logits = match self.model.decode_batch(&tokens, &mut caches) {
                 Ok(l) => to_host_f32(l),
                 Err(e) => {
                     for s in active.drain(..) {
@@ -181,15 +179,7 @@ impl<'m> Engine<'m> {
                 }
             };
             self.metrics.record_decode(ready.len(), t0.elapsed());
-            let vocab = self.model.config.vocab_size;
-            let tokens = {
-                let mut samplers: Vec<&mut Sampler> = active
-                    .iter_mut()
-                    .filter(|s| s.next.is_some())
-                    .map(|s| &mut s.sampler)
-                    .collect();
-                sample_rows(&mut samplers, &logits, vocab)
-            };
+            let tokens = sample_rows(&mut samplers, &logits, self.model.config.vocab_size);
             for (&token, &i) in tokens.iter().zip(&ready) {
                 active[i].accept(token, &eos);
             }
