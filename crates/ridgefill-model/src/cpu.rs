@@ -20,6 +20,9 @@ const PARALLEL_MIN: usize = 1 << 15;
 const ATTENTION_PARALLEL_MIN: usize = 1 << 18;
 /// Query rows per attention task: enough rows for an efficient GEMM, enough tasks to balance.
 const QUERY_BLOCK: usize = 64;
+/// Attention tasks per thread a prefill's query blocks aim for (so a descheduled thread holds
+/// little work back).
+const TASKS_PER_THREAD: usize = 4;
 /// Query rows up to which attention runs as plain dot products (decode steps): packing the keys
 /// for a GEMM costs more than the product itself.
 const DOT_ROWS_MAX: usize = 4;
@@ -757,9 +760,11 @@ pub struct AttnItem {
 }
 
 /// Causal grouped-query attention of one or more sequences, heads merged on output. Each task
-/// takes one sequence's head (a decode row: its whole GQA group) and block of query rows and
-/// multiplies only the keys its rows see; the tasks of all sequences share one parallel
-/// dispatch, where one decode row's attention alone is too small to split.
+/// takes one sequence's GQA group (the query heads sharing a K/V head) and block of query rows
+/// and multiplies only the keys its rows see: prefill rows as two GEMMs with the group's heads
+/// stacked, so each K/V head is packed once per block rather than once per query head; decode
+/// rows through the group kernel. The tasks of all sequences share one parallel dispatch, where
+/// one decode row's attention alone is too small to split.
 ///
 /// # Shapes
 /// - items: same heads and head size → `[Σ n, heads·hd]`, rows in order
@@ -772,10 +777,11 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         half: bool,
         n: usize,
         seen: Vec<usize>,
+        /// Decode rows (at most [`DOT_ROWS_MAX`]): dot products, not GEMMs.
+        decode: bool,
+        /// Query rows per block, and blocks.
+        qblock: usize,
         blocks: usize,
-        /// Query heads per task: a decode row's task takes a whole group sharing one K/V head,
-        /// so those rows are read from memory once.
-        heads_per_job: usize,
         /// First output row.
         row0: usize,
         /// First task.
@@ -784,6 +790,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let [_, heads, _, hd] = items[0].q.dims();
     let kv_heads = items[0].k.dims()[1];
     let group = heads / kv_heads;
+    let threads = rayon::current_num_threads();
     let scale = 1.0 / (hd as f32).sqrt();
     let width = heads * hd;
     #[cfg(target_arch = "x86_64")]
@@ -800,8 +807,11 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 h == heads && d == hd && kh == kv_heads,
                 "attention_many: items differ in heads"
             );
-            let blocks = n.div_ceil(QUERY_BLOCK);
-            let heads_per_job = if n <= DOT_ROWS_MAX { group } else { 1 };
+            let decode = n <= DOT_ROWS_MAX;
+            // Blocks enough for every thread to get a few tasks, at most QUERY_BLOCK rows each.
+            let want = (TASKS_PER_THREAD * threads).div_ceil(kv_heads);
+            let qblock = n.div_ceil(want).clamp(DOT_ROWS_MAX + 1, QUERY_BLOCK);
+            let blocks = n.div_ceil(qblock);
             let past = t - n;
             let seen = if it.seen.is_empty() {
                 (0..n).map(|i| past + i + 1).collect()
@@ -810,7 +820,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             };
             // Decode rows read an f16 cache in the group kernel; anything else widens it once.
             let half = it.k.dtype() == DType::F16;
-            let direct = half && group_kernel && heads_per_job == group;
+            let direct = half && group_kernel && decode;
             let (k, v) = if half && !direct {
                 (widen_kv(it.k), widen_kv(it.v))
             } else {
@@ -823,13 +833,14 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 half: direct,
                 n,
                 seen,
+                decode,
+                qblock,
                 blocks,
-                heads_per_job,
                 row0: rows,
                 job0: jobs,
             };
             rows += n;
-            jobs += heads / heads_per_job * blocks;
+            jobs += kv_heads * blocks;
             work += heads * n * t * hd;
             max_n = max_n.max(n);
             p
@@ -837,62 +848,83 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         .collect();
     let mut out = vec![0f32; rows * width];
     let out_ptr = SendPtr(out.as_mut_ptr());
+    // A decode row of one head as dot products over the keys it sees.
     let one_head = |scores: &mut Vec<f32>, it: &Prep, h: usize, b: usize| {
         let (qs, q_head, q_row) = heads4(&it.q);
         let (ks, k_head, k_row) = heads4(&it.k);
         let (vs, v_head, v_row) = heads4(&it.v);
-        let r0 = b * QUERY_BLOCK;
-        let rb = QUERY_BLOCK.min(it.n - r0);
+        let r0 = b * it.qblock;
+        let rb = it.qblock.min(it.n - r0);
         let live = &it.seen[r0..r0 + rb];
         let kv_end = live[rb - 1];
         scores.resize(rb * kv_end, 0.0);
         let kh = h / group;
         // This task's first output element: row row0 + r0, head h.
         let out_at = (it.row0 + r0) * width + h * hd;
-        if rb <= DOT_ROWS_MAX && k_row > 0 && v_row > 0 {
-            let (k0, v0) = (&ks[kh * k_head..], &vs[kh * v_head..]);
-            for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
-                let q = &qs[h * q_head + (r0 + i) * q_row as usize..][..hd];
-                dot_scores(
-                    q,
-                    k0,
-                    k_row as usize,
-                    v0,
-                    v_row as usize,
-                    scale,
-                    &mut row[..live[i]],
+        let (k0, v0) = (&ks[kh * k_head..], &vs[kh * v_head..]);
+        for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
+            let q = &qs[h * q_head + (r0 + i) * q_row as usize..][..hd];
+            dot_scores(
+                q,
+                k0,
+                k_row as usize,
+                v0,
+                v_row as usize,
+                scale,
+                &mut row[..live[i]],
+            );
+        }
+        softmax_rows(scores, kv_end, live);
+        for (i, row) in scores.chunks_exact(kv_end).enumerate() {
+            let mut o = vec![0f32; hd];
+            weighted_values(&row[..live[i]], v0, v_row as usize, &mut o);
+            // SAFETY: each task writes its own head's columns of its own rows.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    o.as_ptr(),
+                    out_ptr.get().add(out_at + i * width),
+                    hd,
                 );
             }
-            softmax_rows(scores, kv_end, live);
-            for (i, row) in scores.chunks_exact(kv_end).enumerate() {
-                let mut o = vec![0f32; hd];
-                weighted_values(&row[..live[i]], v0, v_row as usize, &mut o);
-                // SAFETY: each task writes its own head's columns of its own rows.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        o.as_ptr(),
-                        out_ptr.get().add(out_at + i * width),
-                        hd,
-                    );
-                }
-            }
-            return;
         }
-        // SAFETY: every pointer addresses rows inside the tensors' storage (shapes checked by the
-        // caller), and each task writes a disjoint [rows r0..r0+rb, columns h·hd..] block of out.
+    };
+    // A block of rows of one GQA group as two GEMMs, the group's query heads stacked as rows
+    // (head-major), so the K/V head is packed once for all of them.
+    let group_gemm = |buf: &mut Scratch, it: &Prep, hg: usize, b: usize| {
+        let (qs, q_head, q_row) = heads4(&it.q);
+        let (ks, k_head, k_row) = heads4(&it.k);
+        let (vs, v_head, v_row) = heads4(&it.v);
+        let r0 = b * it.qblock;
+        let rb = it.qblock.min(it.n - r0);
+        let live = &it.seen[r0..r0 + rb];
+        let kv_end = live[rb - 1];
+        let m = group * rb;
+        buf.q.clear();
+        for h in hg * group..(hg + 1) * group {
+            for i in r0..r0 + rb {
+                buf.q
+                    .extend_from_slice(&qs[h * q_head + i * q_row as usize..][..hd]);
+            }
+        }
+        buf.scores.resize(m * kv_end, 0.0);
+        buf.o.resize(m * hd, 0.0);
+        buf.live.clear();
+        (0..group).for_each(|_| buf.live.extend_from_slice(live));
+        // SAFETY: K and V rows 0..kv_end of head hg lie inside their tensors' storage (the
+        // caller's shapes), and the scratch buffers hold m·kv_end scores and m·hd outputs.
         unsafe {
             gemm::gemm(
-                rb,
+                m,
                 kv_end,
                 hd,
-                scores.as_mut_ptr(),
+                buf.scores.as_mut_ptr(),
                 1,
                 kv_end as isize,
                 false,
-                qs.as_ptr().add(h * q_head + r0 * q_row as usize),
+                buf.q.as_ptr(),
                 1,
-                q_row,
-                ks.as_ptr().add(kh * k_head),
+                hd as isize,
+                ks.as_ptr().add(hg * k_head),
                 k_row,
                 1,
                 0.0,
@@ -903,20 +935,20 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 gemm::Parallelism::None,
             );
         }
-        softmax_rows(scores, kv_end, live);
+        softmax_rows(&mut buf.scores, kv_end, &buf.live);
         unsafe {
             gemm::gemm(
-                rb,
+                m,
                 hd,
                 kv_end,
-                out_ptr.get().add(out_at),
+                buf.o.as_mut_ptr(),
                 1,
-                width as isize,
+                hd as isize,
                 false,
-                scores.as_ptr(),
+                buf.scores.as_ptr(),
                 1,
                 kv_end as isize,
-                vs.as_ptr().add(kh * v_head),
+                vs.as_ptr().add(hg * v_head),
                 1,
                 v_row,
                 0.0,
@@ -927,11 +959,24 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 gemm::Parallelism::None,
             );
         }
+        for (g, head) in buf.o.chunks_exact(rb * hd).enumerate() {
+            let h = hg * group + g;
+            for (i, o) in head.chunks_exact(hd).enumerate() {
+                // SAFETY: each task writes its own group's columns of its own rows.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        o.as_ptr(),
+                        out_ptr.get().add((it.row0 + r0 + i) * width + h * hd),
+                        hd,
+                    );
+                }
+            }
+        }
     };
     // A decode task's GQA group through the hand-written kernel: each K/V row read once.
     #[cfg(target_arch = "x86_64")]
     let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize| -> bool {
-        if !group_kernel || it.heads_per_job != group {
+        if !group_kernel || !it.decode {
             return false;
         }
         let ctx = (group, hd, width, scale, out_ptr);
@@ -958,8 +1003,8 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             k_row > 0 && v_row > 0,
             "attention_many: K/V rows must be laid out forwards"
         );
-        let r0 = b * QUERY_BLOCK;
-        let rb = QUERY_BLOCK.min(it.n - r0);
+        let r0 = b * it.qblock;
+        let rb = it.qblock.min(it.n - r0);
         let (k0, v0) = (&ks[hg * k_head..], &vs[hg * v_head..]);
         for i in 0..rb {
             let live = it.seen[r0 + i];
@@ -994,29 +1039,46 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let group_rows = |_: &mut Vec<f32>, _: &Prep, _: usize, _: usize| false;
-    let task = |scores: &mut Vec<f32>, job: usize| {
+    let task = |buf: &mut Scratch, job: usize| {
         let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
         let j = job - it.job0;
         let (hg, b) = (j / it.blocks, j % it.blocks);
-        if group_rows(scores, it, hg, b) {
+        if group_rows(&mut buf.scores, it, hg, b) {
             return;
         }
-        for h in hg * it.heads_per_job..(hg + 1) * it.heads_per_job {
-            one_head(scores, it, h, b);
+        let (k_row, v_row) = (it.k.layout().strides()[2], it.v.layout().strides()[2]);
+        if it.decode && k_row > 0 && v_row > 0 {
+            for h in hg * group..(hg + 1) * group {
+                one_head(&mut buf.scores, it, h, b);
+            }
+        } else {
+            group_gemm(buf, it, hg, b);
         }
     };
     if work < ATTENTION_PARALLEL_MIN {
-        let mut scores = Vec::new();
-        (0..jobs).for_each(|j| task(&mut scores, j));
+        let mut buf = Scratch::default();
+        (0..jobs).for_each(|j| task(&mut buf, j));
     } else if max_n <= DOT_ROWS_MAX {
         // Decode: the quantised kernels' pool is awake between projections; rayon's is not.
-        ridgefill_quant::pool::for_each(jobs, &|j| task(&mut Vec::new(), j));
+        ridgefill_quant::pool::for_each(jobs, &|j| task(&mut Scratch::default(), j));
     } else {
         (0..jobs)
             .into_par_iter()
-            .for_each_init(Vec::new, |scores, j| task(scores, j));
+            .for_each_init(Scratch::default, |buf, j| task(buf, j));
     }
     wrap(out, [rows, width])
+}
+
+/// One attention task's buffers, reused across the tasks a thread runs.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    /// A GQA group's query rows, stacked.
+    q: Vec<f32>,
+    /// Their outputs, before they go to their heads' columns.
+    o: Vec<f32>,
+    /// Keys seen by each stacked row.
+    live: Vec<usize>,
 }
 
 /// A raw output pointer shared by tasks that write disjoint parts of one buffer.
@@ -1070,7 +1132,7 @@ mod tests {
     }
 
     #[test]
-    fn decode_attention_matches_naive() {
+    fn attention_rows_match_naive() {
         for half in [false, true] {
             attention_matches_naive(half);
         }
@@ -1149,36 +1211,48 @@ mod tests {
                     }
                 }
             }
-            // Prefill rows (past the decode kernel's row count): the last `n` of `t` positions.
-            let (n, t) = (DOT_ROWS_MAX + 3, 21);
-            let q = rnd(heads * n * hd);
-            let (k, v) = (round(rnd(kv_heads * t * hd)), round(rnd(kv_heads * t * hd)));
-            let item = AttnItem {
-                q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, n, hd]), &device),
-                k: to_kv(k.clone(), [1, kv_heads, t, hd]),
-                v: to_kv(v.clone(), [1, kv_heads, t, hd]),
-                seen: Vec::new(),
-            };
-            let got = attention_many(vec![item])
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap();
-            for i in 0..n {
-                for h in 0..heads {
-                    let kh = h / (heads / kv_heads);
-                    let want = naive_row(
-                        &q[(h * n + i) * hd..][..hd],
-                        &k[kh * t * hd..][..t * hd],
-                        &v[kh * t * hd..][..t * hd],
-                        hd,
-                        t - n + i + 1,
-                    );
-                    let row = &got[i * heads * hd + h * hd..][..hd];
-                    for (d, (a, b)) in row.iter().zip(&want).enumerate() {
-                        assert!(
-                            (a - b).abs() < 1e-4,
-                            "prefill half {half} hd {hd} row {i} head {h} col {d}: {a} vs {b}"
+            // Prefill rows (past the decode kernel's row count): the last `n` of `t` positions,
+            // and rows at scattered positions (an exact pass) over more than one query block.
+            let scattered: Vec<usize> = (0..130).map(|i| i * 2 + i % 3).chain([299]).collect();
+            for (n, t, seen) in [
+                (DOT_ROWS_MAX + 3, 21, Vec::new()),
+                (
+                    scattered.len(),
+                    300,
+                    scattered.iter().map(|p| p + 1).collect(),
+                ),
+            ] {
+                let q = rnd(heads * n * hd);
+                let (k, v) = (round(rnd(kv_heads * t * hd)), round(rnd(kv_heads * t * hd)));
+                let live = |i: usize| seen.get(i).copied().unwrap_or(t - n + i + 1);
+                let item = AttnItem {
+                    q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, n, hd]), &device),
+                    k: to_kv(k.clone(), [1, kv_heads, t, hd]),
+                    v: to_kv(v.clone(), [1, kv_heads, t, hd]),
+                    seen: seen.clone(),
+                };
+                let got = attention_many(vec![item])
+                    .into_data()
+                    .try_to_vec::<f32>()
+                    .unwrap();
+                for i in 0..n {
+                    for h in 0..heads {
+                        let kh = h / (heads / kv_heads);
+                        let want = naive_row(
+                            &q[(h * n + i) * hd..][..hd],
+                            &k[kh * t * hd..][..t * hd],
+                            &v[kh * t * hd..][..t * hd],
+                            hd,
+                            live(i),
                         );
+                        let row = &got[i * heads * hd + h * hd..][..hd];
+                        for (d, (a, b)) in row.iter().zip(&want).enumerate() {
+                            assert!(
+                                (a - b).abs() < 1e-4,
+                                "prefill half {half} hd {hd} n {n} row {i} head {h} col {d}: \
+                                 {a} vs {b}"
+                            );
+                        }
                     }
                 }
             }
