@@ -115,6 +115,29 @@ impl KvCache {
         self.lens[layer] = at + m;
     }
 
+    /// Appends `m` slots to `layer`, written by `write` straight into the storage: it gets the
+    /// layer's K and V by value (unshared, so a backend can write in place) and the first slot,
+    /// and returns them.
+    pub fn append_with(
+        &mut self,
+        layer: usize,
+        m: usize,
+        write: impl FnOnce(Tensor<4>, Tensor<4>, usize) -> (Tensor<4>, Tensor<4>),
+    ) {
+        let at = self.lens[layer];
+        assert!(
+            at + m <= self.capacity,
+            "KV cache overflow in layer {layer}"
+        );
+        let device = self.k[layer].device();
+        let empty = || Tensor::<4>::empty([0, 0, 0, 0], &device);
+        let k = std::mem::replace(&mut self.k[layer], empty());
+        let v = std::mem::replace(&mut self.v[layer], empty());
+        let (k, v) = write(k, v, at);
+        (self.k[layer], self.v[layer]) = (k, v);
+        self.lens[layer] = at + m;
+    }
+
     /// Counts `m` more slots of `layer` as filled without writing them: for slots no query
     /// reads (masked out of a sliding window), which keep whatever the storage holds.
     pub fn reserve(&mut self, layer: usize, m: usize) {

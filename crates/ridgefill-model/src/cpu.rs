@@ -727,6 +727,58 @@ pub fn qkv_rope(
     )
 }
 
+/// [`fill_kv`] of layer `layer` of `y` written straight into a cache layer's f32 storage at
+/// slots `at..at + b`: no intermediate K/V tensors and no second copy.
+///
+/// # Shapes
+/// - y: `[b, layers·2·kv_heads·hd]`; k_cache, v_cache: `[1, kv_heads, capacity, hd]` f32
+pub fn fill_kv_into(
+    y: &Tensor<2>,
+    layer: usize,
+    rope: Rotation,
+    (k_cache, v_cache): (Tensor<4>, Tensor<4>),
+    at: usize,
+) -> (Tensor<4>, Tensor<4>) {
+    let b = y.dims()[0];
+    let x = flex(y.clone());
+    let (xs, stride) = rows2(&x);
+    let write = |cache: Tensor<4>, part: usize, rope: Option<&Rotation>| {
+        let [_, kv_heads, capacity, hd] = cache.dims();
+        assert!(at + b <= capacity, "fill_kv_into: slots past the cache");
+        let mut c = flex_with(cache, Layout::is_contiguous);
+        let start = c.layout().start_offset();
+        let storage = &mut c.storage_mut::<f32>()[start..][..kv_heads * capacity * hd];
+        storage
+            .par_chunks_mut(capacity * hd)
+            .enumerate()
+            .for_each(|(j, head)| {
+                let col = ((layer * 2 + part) * kv_heads + j) * hd;
+                for_rows(
+                    &mut head[at * hd..(at + b) * hd],
+                    hd,
+                    |r0, rows| match rope {
+                        Some(r) => rope_head(
+                            &xs[r0 * stride..],
+                            stride,
+                            col,
+                            rows,
+                            hd,
+                            r.cos,
+                            r.sin,
+                            r.pos + r0,
+                            r.at.get(r0..).unwrap_or(&[]),
+                        ),
+                        None => rows.chunks_exact_mut(hd).enumerate().for_each(|(i, o)| {
+                            o.copy_from_slice(&xs[(r0 + i) * stride + col..][..hd])
+                        }),
+                    },
+                );
+            });
+        Tensor::from_primitive::<Flex>(c)
+    };
+    (write(k_cache, 0, Some(&rope)), write(v_cache, 1, None))
+}
+
 /// Splits the fill GEMM's output into every upper layer's K (rotated at positions `pos..`) and V.
 ///
 /// # Shapes
@@ -1129,6 +1181,47 @@ mod tests {
                     .sum::<f64>() as f32
             })
             .collect()
+    }
+
+    #[test]
+    fn fill_written_into_the_cache_equals_fill_kv() {
+        let device = Device::flex();
+        let (layers, kv_heads, hd, b, cap, at, pos) = (2, 3, 8, 5, 12, 4, 6);
+        let width = layers * 2 * kv_heads * hd;
+        let wave =
+            |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
+        let y = Tensor::<2>::from_data(TensorData::new(wave(b * width, 0.37), [b, width]), &device);
+        let (cos, sin) = (wave(16 * hd, 0.11), wave(16 * hd, 0.23));
+        let rope = || Rotation {
+            cos: &cos,
+            sin: &sin,
+            pos,
+            at: &[],
+        };
+        let (k_want, v_want) = fill_kv(y.clone(), layers, kv_heads, hd, rope());
+        let (k_want, v_want) = (to_vec(k_want), to_vec(v_want));
+        for layer in 0..layers {
+            let empty = || Tensor::<4>::zeros([1, kv_heads, cap, hd], &device);
+            let (k, v) = fill_kv_into(&y, layer, rope(), (empty(), empty()), at);
+            for (got, want, what) in [(to_vec(k), &k_want, "K"), (to_vec(v), &v_want, "V")] {
+                for j in 0..kv_heads {
+                    for slot in 0..cap {
+                        let got = &got[(j * cap + slot) * hd..][..hd];
+                        if (at..at + b).contains(&slot) {
+                            let r = slot - at;
+                            let want = &want[((layer * kv_heads + j) * b + r) * hd..][..hd];
+                            assert_eq!(got, want, "{what} layer {layer} head {j} slot {slot}");
+                        } else {
+                            assert!(got.iter().all(|&x| x == 0.0), "{what} slot {slot} written");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
     }
 
     #[test]

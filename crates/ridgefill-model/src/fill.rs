@@ -492,14 +492,40 @@ impl Llama {
     /// - h_split: `[b, hidden]` rows at positions `pos..pos+b`
     pub fn fill_cache(&self, maps: &FillMaps, h_split: Tensor<2>, cache: &mut KvCache, pos: usize) {
         let upper = self.num_layers() - maps.split;
-        let b = h_split.dims()[0];
         // One GEMM for every upper layer's K and V.
         let y = self.linear_dense(self.fill_features(h_split), &maps.w);
-        let (k, v) = self.split_fill(y, maps.split, upper, b, pos);
+        self.append_fill(y, maps.split, upper, cache, pos);
+    }
+
+    /// Appends the fill GEMM's output for layers `first..first + upper` to the cache at
+    /// positions `pos..`: K rotated, V as is.
+    ///
+    /// # Shapes
+    /// - y: `[b, upper·2·kv_heads·hd]`
+    fn append_fill(
+        &self,
+        y: Tensor<2>,
+        first: usize,
+        upper: usize,
+        cache: &mut KvCache,
+        pos: usize,
+    ) {
+        let b = y.dims()[0];
+        #[cfg(feature = "flex")]
+        if self.cpu_kernels && cache.stored_dtype() == FloatDType::F32 {
+            for i in 0..upper {
+                let rope = self.rope_of(first + i).host(pos);
+                cache.append_with(first + i, b, |k, v, at| {
+                    crate::cpu::fill_kv_into(&y, i, rope, (k, v), at)
+                });
+            }
+            return;
+        }
+        let (k, v) = self.split_fill(y, first, upper, b, pos);
         for i in 0..upper {
             let kl = k.clone().narrow(0, i, 1);
             let vl = v.clone().narrow(0, i, 1);
-            cache.append(maps.split + i, kl, vl);
+            cache.append(first + i, kl, vl);
         }
     }
 
@@ -907,8 +933,7 @@ impl Llama {
                 }
                 None => {
                     let y = self.linear_dense(x_all.clone(), &w);
-                    let (k, v) = self.split_fill(y, l, 1, n, 0);
-                    cache.append(l, k, v);
+                    self.append_fill(y, l, 1, cache, 0);
                 }
             }
             if let Some(o) = oracle {
