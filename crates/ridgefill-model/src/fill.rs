@@ -911,14 +911,14 @@ impl Llama {
             let i = l - maps.split;
             let qkv = self.qkv(l, h.clone());
             let mut w = maps.w.clone().narrow(1, i * kv2, kv2);
-            if let Some((xe, p, m)) = &update {
+            if let Some((xe, gain)) = &update {
                 let k = exact.len() - first;
                 let truth = qkv
                     .clone()
                     .narrow(1, self.config.q_dim(), kv2)
                     .narrow(0, first, k);
                 let resid = truth - self.linear_dense(xe.clone(), &w);
-                w = w + p.clone().matmul(m.clone().matmul(resid));
+                w = self.linear_dense_add(gain.clone(), &resid, w);
             }
             match self.layers[l].window.filter(|_| !maps.fill_unread) {
                 Some(window) => {
@@ -946,11 +946,12 @@ impl Llama {
         Ok(h.narrow(0, m - 1, 1))
     }
 
-    /// `Xe`, `P = G⁻¹·Xeᵀ` and `(I/weight + Xe·P)⁻¹` for the exact rows' features `xe`.
+    /// `Xe` and the gain `P·(I/weight + Xe·P)⁻¹` with `P = G⁻¹·Xeᵀ`, for the exact rows'
+    /// features `xe`: each layer's maps move by `gain · (truth − Xe·W)`.
     ///
     /// # Shapes
-    /// - xe: `[k, hidden + 1]` → (`[k, hidden + 1]`, `[hidden + 1, k]`, `[k, k]`)
-    fn adapt_factors(&self, a: &Adapt, xe: Tensor<2>) -> Result<(Tensor<2>, Tensor<2>, Tensor<2>)> {
+    /// - xe: `[k, hidden + 1]` → (`[k, hidden + 1]`, `[hidden + 1, k]`)
+    fn adapt_factors(&self, a: &Adapt, xe: Tensor<2>) -> Result<(Tensor<2>, Tensor<2>)> {
         let k = xe.dims()[0];
         let p = a.precision.clone().matmul(xe.clone().transpose());
         let xp = crate::to_host_f32(xe.clone().matmul(p.clone()).cast(FloatDType::F32));
@@ -969,7 +970,7 @@ impl Llama {
             .map(|v| v as f32)
             .collect();
         let m = Tensor::<2>::from_data(TensorData::new(inv, [k, k]), &self.device).cast(self.dtype);
-        Ok((xe, p, m))
+        Ok((xe, self.linear_dense(p, &m)))
     }
 }
 

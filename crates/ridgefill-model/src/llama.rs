@@ -678,11 +678,7 @@ impl Llama {
     /// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
     pub fn linear_add(&self, x: Tensor<2>, w: &Weight, residual: Tensor<2>) -> Tensor<2> {
         match w {
-            #[cfg(feature = "flex")]
-            Weight::Dense(w) if self.cpu_kernels && w.dtype() == x.dtype() => {
-                crate::cpu::matmul_add(x, w, residual)
-            }
-            Weight::Dense(w) => residual + self.linear_dense(x, w),
+            Weight::Dense(w) => self.linear_dense_add(x, w, residual),
             Weight::Blocks(q) => block_matmul(x, q, Some(residual)),
             Weight::Packed(p) => residual + p.matmul(x),
         }
@@ -695,6 +691,18 @@ impl Llama {
             return crate::cpu::matmul(x, w);
         }
         x.matmul(w.clone())
+    }
+
+    /// [`Llama::linear_dense`] added to `residual`.
+    ///
+    /// # Shapes
+    /// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
+    pub fn linear_dense_add(&self, x: Tensor<2>, w: &Tensor<2>, residual: Tensor<2>) -> Tensor<2> {
+        #[cfg(feature = "flex")]
+        if self.cpu_kernels && w.dtype() == x.dtype() {
+            return crate::cpu::matmul_add(x, w, residual);
+        }
+        residual + x.matmul(w.clone())
     }
 
     /// Bytes of K/V cache for `positions` positions at its storage dtype.
