@@ -9,12 +9,12 @@
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{DispatchDevice, Flex};
 use burn::tensor::{Bytes, DType, Device, FloatDType, Shape, Tensor};
-use rayon::prelude::*;
+use ridgefill_quant::pool;
 use std::env::VarError;
 
 use crate::error::{ModelError, Result};
 
-/// Elements below which a kernel stays on the calling thread (rayon's hand-off costs more).
+/// Elements below which a kernel stays on the calling thread (the pool's hand-off costs more).
 const PARALLEL_MIN: usize = 1 << 15;
 /// Q·Kᵀ multiply-adds below which attention stays on the calling thread (a decode step's).
 const ATTENTION_PARALLEL_MIN: usize = 1 << 18;
@@ -495,17 +495,27 @@ fn exp(x: f32) -> f32 {
 }
 
 /// Splits `out` into chunks of whole rows and runs `f(first_row, chunk)` on each, in parallel when
-/// the work is large enough.
+/// the work is large enough: on the quantised kernels' pool, whose threads are awake between
+/// projections (a second pool's threads would compete with them for the cores).
 fn for_rows(out: &mut [f32], row_len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
     let rows = out.len() / row_len.max(1);
     if out.len() < PARALLEL_MIN || rows < 2 {
         f(0, out);
         return;
     }
-    let per_task = rows.div_ceil(rayon::current_num_threads() * 4).max(1);
-    out.par_chunks_mut(per_task * row_len)
-        .enumerate()
-        .for_each(|(i, chunk)| f(i * per_task, chunk));
+    let per_task = rows.div_ceil(pool::threads() * TASKS_PER_THREAD).max(1);
+    let chunk = per_task * row_len;
+    let len = out.len();
+    let base = SendPtr(out.as_mut_ptr());
+    pool::for_each(len.div_ceil(chunk), &|t| {
+        let start = t * chunk;
+        // SAFETY: task t alone takes elements start..start + chunk of `out`, which outlives the
+        // call (for_each returns after every task).
+        let rows = unsafe {
+            std::slice::from_raw_parts_mut(base.get().add(start), chunk.min(len - start))
+        };
+        f(t * per_task, rows)
+    });
 }
 
 /// Multiply-adds below which a GEMM stays on the calling thread (burn-flex's own threshold).
@@ -749,7 +759,7 @@ pub fn fill_kv_into(
         let start = c.layout().start_offset();
         let storage = &mut c.storage_mut::<f32>()[start..][..kv_heads * capacity * hd];
         storage
-            .par_chunks_mut(capacity * hd)
+            .chunks_exact_mut(capacity * hd)
             .enumerate()
             .for_each(|(j, head)| {
                 let col = ((layer * 2 + part) * kv_heads + j) * hd;
@@ -842,14 +852,14 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let [_, heads, _, hd] = items[0].q.dims();
     let kv_heads = items[0].k.dims()[1];
     let group = heads / kv_heads;
-    let threads = rayon::current_num_threads();
+    let threads = pool::threads();
     let scale = 1.0 / (hd as f32).sqrt();
     let width = heads * hd;
     #[cfg(target_arch = "x86_64")]
     let group_kernel = crate::attn_x86::available(hd);
     #[cfg(not(target_arch = "x86_64"))]
     let group_kernel = false;
-    let (mut rows, mut jobs, mut work, mut max_n) = (0, 0, 0, 0);
+    let (mut rows, mut jobs, mut work) = (0, 0, 0);
     let preps: Vec<Prep> = items
         .into_iter()
         .map(|it| {
@@ -894,7 +904,6 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             rows += n;
             jobs += kv_heads * blocks;
             work += heads * n * t * hd;
-            max_n = max_n.max(n);
             p
         })
         .collect();
@@ -1110,13 +1119,13 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     if work < ATTENTION_PARALLEL_MIN {
         let mut buf = Scratch::default();
         (0..jobs).for_each(|j| task(&mut buf, j));
-    } else if max_n <= DOT_ROWS_MAX {
-        // Decode: the quantised kernels' pool is awake between projections; rayon's is not.
-        ridgefill_quant::pool::for_each(jobs, &|j| task(&mut Scratch::default(), j));
     } else {
-        (0..jobs)
-            .into_par_iter()
-            .for_each_init(Scratch::default, |buf, j| task(buf, j));
+        // Each thread keeps its buffers (scores are rows × keys: megabytes at long prompts).
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Scratch> =
+                std::cell::RefCell::new(Scratch::default());
+        }
+        pool::for_each(jobs, &|j| SCRATCH.with(|b| task(&mut b.borrow_mut(), j)));
     }
     wrap(out, [rows, width])
 }
