@@ -1116,21 +1116,20 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             group_gemm(buf, it, hg, b);
         }
     };
+    // Each thread keeps its buffers (scores are rows × keys: megabytes at long prompts).
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    }
+    let run = |j: usize| SCRATCH.with(|b| task(&mut b.borrow_mut(), j));
     if work < ATTENTION_PARALLEL_MIN {
-        let mut buf = Scratch::default();
-        (0..jobs).for_each(|j| task(&mut buf, j));
+        (0..jobs).for_each(run);
     } else {
-        // Each thread keeps its buffers (scores are rows × keys: megabytes at long prompts).
-        thread_local! {
-            static SCRATCH: std::cell::RefCell<Scratch> =
-                std::cell::RefCell::new(Scratch::default());
-        }
-        pool::for_each(jobs, &|j| SCRATCH.with(|b| task(&mut b.borrow_mut(), j)));
+        pool::for_each(jobs, &run);
     }
     wrap(out, [rows, width])
 }
 
-/// One attention task's buffers, reused across the tasks a thread runs.
+/// One attention task's buffers, kept per thread across tasks and calls.
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
