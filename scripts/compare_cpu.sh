@@ -21,14 +21,22 @@ if ! "$py" -c "import llama_cpp" 2>/dev/null; then
   echo "llama-cpp-python is not installed in $py's environment: skipping the llama.cpp column" >&2
   llamacpp=0
 fi
+# The transformers column needs torch and transformers (scripts/requirements-ref.txt).
+torch=1
+if ! "$py" -c "import torch, transformers" 2>/dev/null; then
+  echo "torch or transformers is not installed in $py's environment: skipping their column" >&2
+  torch=0
+fi
 for round in $(seq 1 "$rounds"); do
   for weights in native f32; do
     echo "== round $round: ridgefill bench (flex, $threads threads, --weights $weights)"
     RAYON_NUM_THREADS="$threads" RIDGEFILL_THREADS="$threads" "${rf[@]}" bench --device cpu \
       --weights "$weights" -p 512 -n 32 -d 16 -r "$reps" --no-probe
   done
-  echo "== round $round: transformers (torch, $threads threads)"
-  "$py" scripts/bench_reference.py --threads "$threads" --reps "$reps"
+  if [ "$torch" = 1 ]; then
+    echo "== round $round: transformers (torch, $threads threads)"
+    "$py" scripts/bench_reference.py --threads "$threads" --reps "$reps"
+  fi
   if [ "$llamacpp" = 1 ]; then
     echo "== round $round: llama.cpp (llama-cpp-python, $threads threads)"
     "$py" scripts/bench_llamacpp.py --threads "$threads" --reps "$reps"
