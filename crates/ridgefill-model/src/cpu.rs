@@ -849,6 +849,15 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         /// First task.
         job0: usize,
     }
+    impl Prep {
+        /// Query block `b`: its first row, the keys each of its rows sees, and the keys the
+        /// block reads (its last row's).
+        fn block(&self, b: usize) -> (usize, &[usize], usize) {
+            let r0 = b * self.qblock;
+            let live = &self.seen[r0..(r0 + self.qblock).min(self.n)];
+            (r0, live, live[live.len() - 1])
+        }
+    }
     let [_, heads, _, hd] = items[0].q.dims();
     let kv_heads = items[0].k.dims()[1];
     let group = heads / kv_heads;
@@ -914,11 +923,8 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         let (qs, q_head, q_row) = heads4(&it.q);
         let (ks, k_head, k_row) = heads4(&it.k);
         let (vs, v_head, v_row) = heads4(&it.v);
-        let r0 = b * it.qblock;
-        let rb = it.qblock.min(it.n - r0);
-        let live = &it.seen[r0..r0 + rb];
-        let kv_end = live[rb - 1];
-        scores.resize(rb * kv_end, 0.0);
+        let (r0, live, kv_end) = it.block(b);
+        scores.resize(live.len() * kv_end, 0.0);
         let kh = h / group;
         // This task's first output element: row row0 + r0, head h.
         let out_at = (it.row0 + r0) * width + h * hd;
@@ -955,10 +961,8 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         let (qs, q_head, q_row) = heads4(&it.q);
         let (ks, k_head, k_row) = heads4(&it.k);
         let (vs, v_head, v_row) = heads4(&it.v);
-        let r0 = b * it.qblock;
-        let rb = it.qblock.min(it.n - r0);
-        let live = &it.seen[r0..r0 + rb];
-        let kv_end = live[rb - 1];
+        let (r0, live, kv_end) = it.block(b);
+        let rb = live.len();
         let m = group * rb;
         buf.q.clear();
         for h in hg * group..(hg + 1) * group {
@@ -1064,11 +1068,9 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             k_row > 0 && v_row > 0,
             "attention_many: K/V rows must be laid out forwards"
         );
-        let r0 = b * it.qblock;
-        let rb = it.qblock.min(it.n - r0);
+        let (r0, rows, _) = it.block(b);
         let (k0, v0) = (&ks[hg * k_head..], &vs[hg * v_head..]);
-        for i in 0..rb {
-            let live = it.seen[r0 + i];
+        for (i, &live) in rows.iter().enumerate() {
             assert!(
                 live >= 1 && (live - 1) * k_row as usize + hd <= k0.len(),
                 "attention_many: row sees {live} keys past the cache"
