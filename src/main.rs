@@ -43,6 +43,18 @@ enum Command {
     Serve(commands::serve::Args),
 }
 
+/// Mesa's Vulkan device-select layer connects to Wayland while wgpu lists adapters, and on a
+/// machine with no session (`XDG_RUNTIME_DIR` unset) libwayland prints "error: XDG_RUNTIME_DIR is
+/// invalid or not set" on every run. With no display to choose a GPU by, the layer has nothing to
+/// do there, so it is switched off (`NODEVICE_SELECT`, Mesa's own switch) unless the user set it.
+fn quiet_headless_vulkan() {
+    let unset = |name| std::env::var_os(name).is_none_or(|v| v.is_empty());
+    if unset("XDG_RUNTIME_DIR") && unset("NODEVICE_SELECT") {
+        // SAFETY: called first thing in main, before any thread exists to read the environment.
+        unsafe { std::env::set_var("NODEVICE_SELECT", "1") };
+    }
+}
+
 fn main() -> ExitCode {
     // A closed stdout pipe (`| head`) ends the process as it does other Unix tools, instead of
     // `println!` panicking on EPIPE.
@@ -51,6 +63,7 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    quiet_headless_vulkan();
     let cli = Cli::parse();
     ridgefill::interrupt::install();
     let result = match cli.command {

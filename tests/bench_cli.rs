@@ -265,6 +265,27 @@ fn bench_refuses_nonsense() {
     assert!(stderr.contains("unknown device \"tpu\""), "{stderr}");
 }
 
+/// A run on a machine with no session (`XDG_RUNTIME_DIR` unset) that lists GPU adapters prints
+/// nothing about Wayland: Mesa's device-select layer made libwayland complain on every run.
+#[test]
+fn a_headless_run_lists_adapters_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
+        .args([
+            "bench", "-m", &model, "--device", "auto", "-p", "8", "-n", "0", "-r", "1",
+        ])
+        .arg("--no-probe")
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("NODEVICE_SELECT")
+        .env("CUBECL_AUTOTUNE_LEVEL", "minimal")
+        .output()
+        .expect("run ridgefill");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("XDG_RUNTIME_DIR"), "{stderr}");
+}
+
 #[test]
 fn probe_cpu_reports_positive_ceilings() {
     let (ok, stdout, stderr) = ridgefill(&["probe", "--device", "cpu", "--json"]);
