@@ -20,8 +20,8 @@ const PARALLEL_MIN: usize = 1 << 15;
 const ATTENTION_PARALLEL_MIN: usize = 1 << 18;
 /// Query rows per attention task: enough rows for an efficient GEMM, enough tasks to balance.
 const QUERY_BLOCK: usize = 64;
-/// Attention tasks per thread a prefill's query blocks aim for (so a descheduled thread holds
-/// little work back).
+/// Tasks per thread a parallel kernel's work is cut into (attention's query blocks, row chunks),
+/// so a descheduled thread holds little work back.
 const TASKS_PER_THREAD: usize = 4;
 /// Query rows up to which attention runs as plain dot products (decode steps): packing the keys
 /// for a GEMM costs more than the product itself.
@@ -700,17 +700,39 @@ fn gather_heads(
     let mut out = vec![0f32; count * n * hd];
     for_rows(&mut out, n * hd, |h0, chunk| {
         for (i, head) in chunk.chunks_exact_mut(n * hd).enumerate() {
-            let col = src(h0 + i) * hd;
-            match rope {
-                Some(r) => rope_head(xs, stride, col, head, hd, r.cos, r.sin, r.pos, r.at),
-                None => head
-                    .chunks_exact_mut(hd)
-                    .enumerate()
-                    .for_each(|(row, o)| o.copy_from_slice(&xs[row * stride + col..][..hd])),
-            }
+            copy_head(xs, stride, src(h0 + i) * hd, 0, head, hd, rope.as_ref());
         }
     });
     out
+}
+
+/// Rows `r0..` of the head at columns `col..col + hd` of `xs` into `out` (`[rows, hd]`), rotated
+/// at their positions when `rope` is given.
+fn copy_head(
+    xs: &[f32],
+    stride: usize,
+    col: usize,
+    r0: usize,
+    out: &mut [f32],
+    hd: usize,
+    rope: Option<&Rotation>,
+) {
+    match rope {
+        Some(r) => rope_head(
+            &xs[r0 * stride..],
+            stride,
+            col,
+            out,
+            hd,
+            r.cos,
+            r.sin,
+            r.pos + r0,
+            r.at.get(r0..).unwrap_or(&[]),
+        ),
+        None => out.chunks_exact_mut(hd).enumerate().for_each(|(i, o)| {
+            o.copy_from_slice(&xs[(r0 + i) * stride + col..][..hd]);
+        }),
+    }
 }
 
 /// Splits the fused QKV projection into heads and rotates Q and K (rotate-half RoPE) at positions
@@ -763,26 +785,10 @@ pub fn fill_kv_into(
             .enumerate()
             .for_each(|(j, head)| {
                 let col = ((layer * 2 + part) * kv_heads + j) * hd;
-                for_rows(
-                    &mut head[at * hd..(at + b) * hd],
-                    hd,
-                    |r0, rows| match rope {
-                        Some(r) => rope_head(
-                            &xs[r0 * stride..],
-                            stride,
-                            col,
-                            rows,
-                            hd,
-                            r.cos,
-                            r.sin,
-                            r.pos + r0,
-                            r.at.get(r0..).unwrap_or(&[]),
-                        ),
-                        None => rows.chunks_exact_mut(hd).enumerate().for_each(|(i, o)| {
-                            o.copy_from_slice(&xs[(r0 + i) * stride + col..][..hd])
-                        }),
-                    },
-                );
+                let rows = &mut head[at * hd..(at + b) * hd];
+                for_rows(rows, hd, |r0, rows| {
+                    copy_head(xs, stride, col, r0, rows, hd, rope)
+                });
             });
         Tensor::from_primitive::<Flex>(c)
     };
