@@ -1,6 +1,7 @@
 //! The row-lane layout: Q4_0, Q4_1 and Q8_0 weights rearranged once at load so the AVX-512 VNNI
-//! kernels read sixteen rows' blocks as ready vectors (one row per 32-bit lane), instead of
-//! transposing them and gathering their scales on every call (llama.cpp repacks likewise).
+//! and AVX-VNNI kernels read sixteen rows' blocks as ready vectors (one row per 32-bit lane; the
+//! 256-bit kernels take each vector as two halves of eight rows), instead of transposing them and
+//! gathering their scales on every call (llama.cpp repacks likewise).
 //!
 //! Rows are grouped in tiles of [`TILE`]. Tile `t` takes the same bytes as rows `16t..16t+16`
 //! did, block after block; block `b` of a tile holds, for this type's f16 fields in order (d,
@@ -12,7 +13,7 @@ use ridgefill_io::GgmlType;
 
 use crate::simd::SimdLevel;
 
-/// Rows per tile: one per 32-bit lane of a 512-bit vector.
+/// Rows per tile: one per 32-bit lane of a 512-bit vector (two 256-bit halves).
 pub(crate) const TILE: usize = 16;
 /// Bytes of one f16 field.
 const HALF: usize = 2;
@@ -21,7 +22,7 @@ const GROUP: usize = 4;
 
 /// Whether weights of `ty` with `rows` rows are kept in the row-lane layout at `level`.
 pub(crate) fn applies(level: SimdLevel, ty: GgmlType, rows: usize) -> bool {
-    level == SimdLevel::Avx512Vnni
+    matches!(level, SimdLevel::AvxVnni | SimdLevel::Avx512Vnni)
         && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
         && rows.is_multiple_of(TILE)
 }

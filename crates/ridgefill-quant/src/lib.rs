@@ -14,18 +14,20 @@
 //! - Activations are quantised once per call per kind needed (32-blocks with sums for the legacy
 //!   formats, 256-blocks with 16-sums for the k-quants; see `act`), then integer dot products run
 //!   per block, four weight rows per pass ([`SimdLevel::Avx512Vnni`] for the legacy formats,
-//!   [`SimdLevel::Avx2`], or portable [`SimdLevel::Scalar`]); a batch shares each unpacked weight
-//!   block between four activation rows.
+//!   [`SimdLevel::AvxVnni`] for Q4_0/Q4_1/Q8_0 in the row-lane layout, [`SimdLevel::Avx2`], or
+//!   portable [`SimdLevel::Scalar`]); a batch shares each unpacked weight block between four
+//!   activation rows.
 //! - For large batches (`m ≥` [`QWeight::f32_path_min_m`], per type and level) row chunks are
 //!   dequantised into a per-thread scratch and multiplied with the `gemm` crate's f32 GEMM instead.
-//! - With AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 weights are rearranged once at load
-//!   ([`QMatrix::prepared_for`]) so sixteen rows' blocks sit side by side, one row per vector lane,
-//!   as the kernels read them (see `lanes`); other levels and types keep the file's layout.
+//! - With AVX-512 VNNI or AVX-VNNI, Q4_0, Q4_1 and Q8_0 weights are rearranged once at load
+//!   ([`QMatrix::prepared_for`]) so sixteen rows' blocks sit side by side, one row per 32-bit
+//!   lane, as the kernels read them (see `lanes`; AVX-VNNI's 256-bit kernels take a tile as two
+//!   halves of eight rows); other levels and types keep the file's layout.
 //! - Work is split by output rows over one persistent [`pool`] (`RIDGEFILL_THREADS`).
 //!
-//! Not implemented: VNNI variants of the k-quant kernels and the 256-bit AVX-VNNI encoding (CPUs
-//! with AVX-VNNI but no AVX-512 run the AVX2 kernels), and NEON (no aarch64 target to
-//! compile-check); those CPUs use the scalar kernels, or AVX2 where available.
+//! Not implemented: VNNI variants of the k-quant kernels and of Q5_0/Q5_1 (those run the AVX2
+//! kernels at both VNNI levels), and NEON (no aarch64 target to compile-check; such CPUs use the
+//! scalar kernels).
 
 mod act;
 mod bytes;

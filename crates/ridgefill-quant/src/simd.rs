@@ -2,8 +2,8 @@
 
 use std::sync::OnceLock;
 
-/// Environment variable that forces a lower level (`scalar`, `avx2`, `avx512vnni`); unknown values
-/// are ignored.
+/// Environment variable that forces a lower level (`scalar`, `avx2`, `avxvnni`, `avx512vnni`);
+/// unknown values are ignored.
 pub const SIMD_ENV: &str = "RIDGEFILL_SIMD";
 
 /// An instruction-set level the kernels are written for.
@@ -13,20 +13,31 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd` integer dot products.
     Avx2,
+    /// Avx2 plus AVX-VNNI (Intel's desktop cores from Alder Lake on, which lack AVX-512):
+    /// `vpdpbusd` on 256-bit vectors, for Q4_0, Q4_1 and Q8_0 in the row-lane layout (other
+    /// formats use the Avx2 kernels).
+    AvxVnni,
     /// Avx2 plus AVX-512 F/BW/VL/VNNI: `vpdpbusd` on 512-bit vectors, two weight rows per vector,
-    /// for the 32-element legacy formats (other formats use the Avx2 kernels).
+    /// for the 32-element legacy formats (other formats use the Avx2 kernels). Does not imply
+    /// AvxVnni (Ice Lake has AVX-512 VNNI only); the order ranks speed.
     Avx512Vnni,
 }
 
 impl SimdLevel {
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni];
+    pub const ALL: [SimdLevel; 4] = [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2,
+        SimdLevel::AvxVnni,
+        SimdLevel::Avx512Vnni,
+    ];
 
     /// Whether this CPU can run the level.
     pub fn is_available(self) -> bool {
         match self {
             SimdLevel::Scalar => true,
             SimdLevel::Avx2 => avx2_available(),
+            SimdLevel::AvxVnni => avx2_available() && avxvnni_available(),
             SimdLevel::Avx512Vnni => avx2_available() && avx512vnni_available(),
         }
     }
@@ -47,6 +58,7 @@ impl SimdLevel {
             match std::env::var(SIMD_ENV).ok().as_deref().map(str::trim) {
                 Some("scalar") => SimdLevel::Scalar,
                 Some("avx2") if best >= SimdLevel::Avx2 => SimdLevel::Avx2,
+                Some("avxvnni") if SimdLevel::AvxVnni.is_available() => SimdLevel::AvxVnni,
                 Some("avx512vnni") if best >= SimdLevel::Avx512Vnni => SimdLevel::Avx512Vnni,
                 _ => best,
             }
@@ -58,6 +70,7 @@ impl SimdLevel {
         match self {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
+            SimdLevel::AvxVnni => "avxvnni",
             SimdLevel::Avx512Vnni => "avx512vnni",
         }
     }
@@ -72,6 +85,16 @@ fn avx2_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avxvnni_available() -> bool {
+    is_x86_feature_detected!("avxvnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avxvnni_available() -> bool {
     false
 }
 

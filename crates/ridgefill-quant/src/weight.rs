@@ -9,7 +9,9 @@ use ridgefill_io::{GgmlType, GgufFile};
 
 use crate::act::{Q8Buf, Q8KBuf, Q8Row};
 use crate::bytes::WeightBytes;
-use crate::kernels::{ActKind, XRow, act_kind, gemv_lanes, gemv_rows, gemv_rows_multi};
+use crate::kernels::{
+    ActKind, XRow, act_kind, gemv_lanes, gemv_rows, gemv_rows_multi, lanes_level,
+};
 use crate::lanes;
 use crate::pool::Pool;
 use crate::simd::SimdLevel;
@@ -119,11 +121,12 @@ impl QMatrix {
         })
     }
 
-    /// This matrix in the layout the kernels of `level` read fastest: with AVX-512 VNNI, Q4_0,
-    /// Q4_1 and Q8_0 (rows a multiple of 16) are copied once into the row-lane layout
-    /// ([`crate::lanes`]); anything else, or a level this CPU lacks, is returned as it is.
+    /// This matrix in the layout the kernels of `level` read fastest: with AVX-512 VNNI or
+    /// AVX-VNNI, Q4_0, Q4_1 and Q8_0 (rows a multiple of 16) are copied once into the row-lane
+    /// layout ([`crate::lanes`]); anything else, or a level this CPU lacks, is returned as it is.
     ///
-    /// Rearranged weights always run the AVX-512 VNNI kernels, whatever level a call asks for.
+    /// Rearranged weights always run row-lane kernels, whatever level a call asks for: AVX-VNNI's
+    /// when the call asks for that level, else AVX-512 VNNI's where the CPU has it.
     pub fn prepared_for(self, level: SimdLevel) -> QMatrix {
         if self.row_lanes || !level.is_available() || !lanes::applies(level, self.ty, self.rows) {
             return self;
@@ -275,8 +278,12 @@ impl Default for MatmulConfig {
 /// 6.0 ms (Q8_0) at m = 256 against the GEMM path's 11.5 (Xeon); SmolLM2 Q4_1's pp512 on 2
 /// threads then matched `--weights f32` (1074 / 1036 against 1085 / 1028 t/s) where the GEMM
 /// path trailed (1029 / 985).
-fn f32_path_min_m(level: SimdLevel, ty: GgmlType) -> usize {
+///
+/// Row-lane weights (AVX-VNNI or AVX-512 VNNI, see [`QMatrix::prepared_for`]) likewise stay on
+/// their kernels at every batch size.
+fn f32_path_min_m(level: SimdLevel, ty: GgmlType, row_lanes: bool) -> usize {
     match (level, ty) {
+        (_, _) if row_lanes => usize::MAX,
         (SimdLevel::Avx512Vnni, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) => usize::MAX,
         (_, GgmlType::Q4_0) => 48,
         (_, GgmlType::Q4_1 | GgmlType::Q8_0) => 32,
@@ -432,7 +439,7 @@ impl QWeight {
     pub fn f32_path_min_m(&self, level: SimdLevel) -> usize {
         self.parts
             .iter()
-            .map(|p| f32_path_min_m(level, p.ty))
+            .map(|p| f32_path_min_m(level, p.ty, p.row_lanes))
             .min()
             .unwrap_or(usize::MAX)
     }
@@ -585,7 +592,10 @@ impl QWeight {
                     (false, _) => ROW_TILE,
                 };
                 // With 32 vector registers eight activation rows share each weight block.
-                let wide = p.row_lanes || level == SimdLevel::Avx512Vnni;
+                let wide = match p.row_lanes {
+                    true => lanes_level(level) == SimdLevel::Avx512Vnni,
+                    false => level == SimdLevel::Avx512Vnni,
+                };
                 let mut t0 = r0;
                 while t0 < r1 {
                     let t1 = (t0 + tile).min(r1);
@@ -602,7 +612,7 @@ impl QWeight {
                             let xs: [XRow<'_>; $n] = std::array::from_fn(|k| xrow($i + k));
                             let os: [&mut [f32]; $n] = std::array::from_fn(|k| o($i + k));
                             if p.row_lanes {
-                                gemv_lanes(p.ty, w, p.row_bytes, xs.map(q8), os);
+                                gemv_lanes(level, p.ty, w, p.row_bytes, xs.map(q8), os);
                             } else if $n == 1 {
                                 let [o, ..] = os;
                                 gemv_rows(level, p.ty, w, p.row_bytes, xs[0], o);

@@ -11,6 +11,8 @@ use crate::simd::SimdLevel;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avxvnni;
 mod scalar;
 
 /// Which activation kind a weight type's kernel consumes.
@@ -146,12 +148,26 @@ pub(crate) fn gemv_rows_multi<const A: usize>(
     }
 }
 
+/// The level whose kernels read row-lane weights for a call at `level`: the AVX-VNNI kernels
+/// when asked for and present, else AVX-512 VNNI when present, else AVX-VNNI (weights are only
+/// rearranged on a CPU with one of the two).
+pub(crate) fn lanes_level(level: SimdLevel) -> SimdLevel {
+    if level == SimdLevel::AvxVnni && level.is_available() {
+        SimdLevel::AvxVnni
+    } else if SimdLevel::Avx512Vnni.is_available() {
+        SimdLevel::Avx512Vnni
+    } else {
+        SimdLevel::AvxVnni
+    }
+}
+
 /// [`gemv_rows_multi`] for Q4_0, Q4_1 or Q8_0 rows stored in the row-lane layout
-/// ([`crate::lanes`]), which only the AVX-512 VNNI kernels read.
+/// ([`crate::lanes`]), which the AVX-512 VNNI and AVX-VNNI kernels read (see [`lanes_level`]).
 ///
-/// Panics (an internal error) if the sizes disagree or the CPU lacks AVX-512 VNNI: weights are
-/// only rearranged when it has it.
+/// Panics (an internal error) if the sizes disagree or the CPU has neither: weights are only
+/// rearranged when it has one.
 pub(crate) fn gemv_lanes<const A: usize>(
+    level: SimdLevel,
     ty: GgmlType,
     w: &[u8],
     row_bytes: usize,
@@ -160,8 +176,9 @@ pub(crate) fn gemv_lanes<const A: usize>(
 ) {
     let n = outs[0].len();
     let cols = xs[0].qs.len();
+    let level = lanes_level(level);
     assert!(
-        SimdLevel::Avx512Vnni.is_available()
+        level.is_available()
             && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
             && n.is_multiple_of(crate::lanes::TILE)
             && xs
@@ -174,9 +191,13 @@ pub(crate) fn gemv_lanes<const A: usize>(
         "gemv_lanes: {ty} row-lane tiles of {row_bytes}-byte rows do not match the activation rows"
     );
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has AVX-512 VNNI and the sizes match (both checked just above).
+    // SAFETY: the CPU has the level and the sizes match (both checked just above).
     unsafe {
-        avx512::gemv_lanes(ty, w, row_bytes, &xs, &mut outs)
+        if level == SimdLevel::Avx512Vnni {
+            avx512::gemv_lanes(ty, w, row_bytes, &xs, &mut outs)
+        } else {
+            avxvnni::gemv_lanes(ty, w, row_bytes, &xs, &mut outs)
+        }
     };
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("row-lane weights exist only on x86-64");
