@@ -126,6 +126,8 @@ struct Header {
     weights_held: String,
     /// Bytes the weights keep resident.
     weight_bytes: usize,
+    /// Instruction-set level of the quantised CPU kernels, when weights are held in blocks.
+    kernels: Option<&'static str>,
     burn_version: &'static str,
     ridgefill_version: &'static str,
     n_threads: usize,
@@ -597,6 +599,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
         ),
         weights_held: model.weights_held(),
         weight_bytes: model.weight_bytes(),
+        kernels: model.kernel_level(),
         burn_version: env!("RIDGEFILL_BURN_VERSION"),
         ridgefill_version: env!("CARGO_PKG_VERSION"),
         n_threads: flex_threads(),
@@ -807,7 +810,7 @@ fn render_md(rows: &[Row]) -> String {
                 s.push('\n');
             }
             s.push_str(&format!(
-                "model: {} ({}, {} layers, {}), weights held as {} ({:.1} MB), backend: {}, \
+                "model: {} ({}, {} layers, {}), weights held as {} ({:.1} MB{}), backend: {}, \
                  device: {}, dtype: {}, threads: {}, burn {}, autotune cache warm: {}\n",
                 h.model,
                 h.model_type,
@@ -815,6 +818,8 @@ fn render_md(rows: &[Row]) -> String {
                 h.weights_source,
                 h.weights_held,
                 h.weight_bytes as f64 / 1e6,
+                h.kernels
+                    .map_or(String::new(), |k| format!(", {k} kernels")),
                 h.backend,
                 h.device,
                 h.dtype,

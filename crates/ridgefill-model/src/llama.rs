@@ -731,6 +731,17 @@ impl Llama {
             .sum()
     }
 
+    /// The instruction-set level the quantised CPU kernels run at (`RIDGEFILL_SIMD` can lower
+    /// it), or `None` when no projection is held in GGUF blocks.
+    pub fn kernel_level(&self) -> Option<&'static str> {
+        let blocks = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj])
+            .any(|w| matches!(w, Weight::Blocks(_)));
+        blocks.then(|| SimdLevel::detect().name())
+    }
+
     /// How the projections are held, for reports: `blocks (Q4_1, Q8_0)` (CPU kernels),
     /// `packed (Q4_1, Q8_0)` (GPU kernel) or `dense f32`.
     pub fn weights_held(&self) -> String {
