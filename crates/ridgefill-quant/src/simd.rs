@@ -2,8 +2,8 @@
 
 use std::sync::OnceLock;
 
-/// Environment variable that forces a lower level (`scalar`, `avx2`, `avxvnni`, `avx512vnni`);
-/// unknown values are ignored.
+/// Environment variable that forces a lower level (`scalar`; `neon`, `neondot`; `avx2`,
+/// `avxvnni`, `avx512vnni`); unknown values are ignored.
 pub const SIMD_ENV: &str = "RIDGEFILL_SIMD";
 
 /// An instruction-set level the kernels are written for.
@@ -11,6 +11,11 @@ pub const SIMD_ENV: &str = "RIDGEFILL_SIMD";
 pub enum SimdLevel {
     /// Portable Rust, no intrinsics (always available, always tested).
     Scalar,
+    /// aarch64 NEON (baseline): widening multiplies for the 32-element legacy formats (other
+    /// formats use the scalar kernels).
+    Neon,
+    /// Neon plus the dot-product extension (`sdot`).
+    NeonDot,
     /// x86-64 AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd` integer dot products.
     Avx2,
     /// Avx2 plus AVX-VNNI (Intel's desktop cores from Alder Lake on, which lack AVX-512):
@@ -25,8 +30,10 @@ pub enum SimdLevel {
 
 impl SimdLevel {
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 4] = [
+    pub const ALL: [SimdLevel; 6] = [
         SimdLevel::Scalar,
+        SimdLevel::Neon,
+        SimdLevel::NeonDot,
         SimdLevel::Avx2,
         SimdLevel::AvxVnni,
         SimdLevel::Avx512Vnni,
@@ -36,6 +43,8 @@ impl SimdLevel {
     pub fn is_available(self) -> bool {
         match self {
             SimdLevel::Scalar => true,
+            SimdLevel::Neon => neon_available(),
+            SimdLevel::NeonDot => neon_available() && dotprod_available(),
             SimdLevel::Avx2 => avx2_available(),
             SimdLevel::AvxVnni => avx2_available() && avxvnni_available(),
             SimdLevel::Avx512Vnni => avx2_available() && avx512vnni_available(),
@@ -57,6 +66,8 @@ impl SimdLevel {
                 .unwrap_or(SimdLevel::Scalar);
             match std::env::var(SIMD_ENV).ok().as_deref().map(str::trim) {
                 Some("scalar") => SimdLevel::Scalar,
+                Some("neon") if SimdLevel::Neon.is_available() => SimdLevel::Neon,
+                Some("neondot") if SimdLevel::NeonDot.is_available() => SimdLevel::NeonDot,
                 Some("avx2") if best >= SimdLevel::Avx2 => SimdLevel::Avx2,
                 Some("avxvnni") if SimdLevel::AvxVnni.is_available() => SimdLevel::AvxVnni,
                 Some("avx512vnni") if best >= SimdLevel::Avx512Vnni => SimdLevel::Avx512Vnni,
@@ -69,11 +80,27 @@ impl SimdLevel {
     pub fn name(self) -> &'static str {
         match self {
             SimdLevel::Scalar => "scalar",
+            SimdLevel::Neon => "neon",
+            SimdLevel::NeonDot => "neondot",
             SimdLevel::Avx2 => "avx2",
             SimdLevel::AvxVnni => "avxvnni",
             SimdLevel::Avx512Vnni => "avx512vnni",
         }
     }
+}
+
+fn neon_available() -> bool {
+    cfg!(target_arch = "aarch64")
+}
+
+#[cfg(target_arch = "aarch64")]
+fn dotprod_available() -> bool {
+    std::arch::is_aarch64_feature_detected!("dotprod")
+}
+
+#[cfg(not(target_arch = "aarch64"))]
+fn dotprod_available() -> bool {
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -109,4 +136,22 @@ fn avx512vnni_available() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 fn avx512vnni_available() -> bool {
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_baseline_level_of_each_architecture_is_available() {
+        let levels = SimdLevel::available();
+        eprintln!("SIMD levels on this CPU: {levels:?}");
+        assert_eq!(levels.first(), Some(&SimdLevel::Scalar));
+        // NEON is part of every aarch64 CPU, so its kernels always run in the kernel tests there.
+        assert_eq!(
+            SimdLevel::Neon.is_available(),
+            cfg!(target_arch = "aarch64")
+        );
+        assert!(levels.windows(2).all(|w| w[0] < w[1]), "lowest first");
+    }
 }

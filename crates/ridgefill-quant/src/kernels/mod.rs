@@ -13,6 +13,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avxvnni;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod scalar;
 
 /// Which activation kind a weight type's kernel consumes.
@@ -82,6 +84,20 @@ pub(crate) fn gemv_rows(
             && consistent(&x),
         "gemv_rows: {ty} rows of {row_bytes} bytes do not match the activation row"
     );
+    #[cfg(target_arch = "aarch64")]
+    if let (SimdLevel::Neon | SimdLevel::NeonDot, XRow::Q8(x)) = (level, &x) {
+        // SAFETY: the NEON levels are only used when the CPU has them (SimdLevel::is_available
+        // is checked by every caller); the sizes were checked above; XRow::Q8 goes with the
+        // legacy formats only (the kind check above).
+        unsafe {
+            if level == SimdLevel::NeonDot {
+                neon::gemv_rows_dot(ty, w, row_bytes, x, out)
+            } else {
+                neon::gemv_rows(ty, w, row_bytes, x, out)
+            }
+        };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if level >= SimdLevel::Avx2 {
         if let (SimdLevel::Avx512Vnni, XRow::Q8(x)) = (level, x) {
@@ -102,6 +118,8 @@ pub(crate) fn gemv_rows(
 /// [`gemv_rows`] for `A` activation rows: `outs[a][r] = Σ_k W[r, k]·xs[a][k]`. The legacy
 /// formats on AVX2 and up unpack each weight block once for all `A` rows; other types and levels
 /// run one GEMV per row.
+// Only the x86-64 kernels write through `outs` in place.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
 pub(crate) fn gemv_rows_multi<const A: usize>(
     level: SimdLevel,
     ty: GgmlType,
@@ -166,6 +184,7 @@ pub(crate) fn lanes_level(level: SimdLevel) -> SimdLevel {
 ///
 /// Panics (an internal error) if the sizes disagree or the CPU has neither: weights are only
 /// rearranged when it has one.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
 pub(crate) fn gemv_lanes<const A: usize>(
     level: SimdLevel,
     ty: GgmlType,
