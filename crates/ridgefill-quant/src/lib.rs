@@ -15,7 +15,8 @@
 //!   formats, 256-blocks with 16-sums for the k-quants; see `act`), then integer dot products run
 //!   per block, four weight rows per pass ([`SimdLevel::Avx512Vnni`] for the legacy formats,
 //!   [`SimdLevel::AvxVnni`] for Q4_0/Q4_1/Q8_0 in the row-lane layout, [`SimdLevel::Avx2`];
-//!   [`SimdLevel::NeonDot`] / [`SimdLevel::Neon`] for the legacy formats on aarch64; or portable
+//!   [`SimdLevel::NeonDot`] / [`SimdLevel::Neon`] for the legacy formats and k-quants on aarch64;
+//!   or portable
 //!   [`SimdLevel::Scalar`]); on x86-64 a batch shares each unpacked weight block between four
 //!   activation rows.
 //! - For large batches (`m ≥` [`QWeight::f32_path_min_m`], per type and level) row chunks are
@@ -27,8 +28,8 @@
 //! - Work is split by output rows over one persistent [`pool`] (`RIDGEFILL_THREADS`).
 //!
 //! Not implemented: VNNI variants of the k-quant kernels and of Q5_0/Q5_1 (those run the AVX2
-//! kernels at both VNNI levels), and NEON kernels for the k-quants and float weights (scalar on
-//! aarch64). The NEON kernels are checked under qemu (`scripts/check-aarch64.sh`, run by CI), not
+//! kernels at both VNNI levels), and NEON kernels for float weights (scalar on aarch64). The NEON
+//! kernels are checked under qemu (`scripts/check-aarch64.sh`, run by CI), not
 //! measured on ARM hardware.
 
 mod act;

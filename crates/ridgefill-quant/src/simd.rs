@@ -11,8 +11,8 @@ pub const SIMD_ENV: &str = "RIDGEFILL_SIMD";
 pub enum SimdLevel {
     /// Portable Rust, no intrinsics (always available, always tested).
     Scalar,
-    /// aarch64 NEON (baseline): widening multiplies for the 32-element legacy formats (other
-    /// formats use the scalar kernels).
+    /// aarch64 NEON (baseline): widening multiplies for the 32-element legacy formats and the
+    /// k-quants (float weights use the scalar kernels).
     Neon,
     /// Neon plus the dot-product extension (`sdot`).
     NeonDot,

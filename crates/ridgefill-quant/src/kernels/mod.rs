@@ -85,15 +85,18 @@ pub(crate) fn gemv_rows(
         "gemv_rows: {ty} rows of {row_bytes} bytes do not match the activation row"
     );
     #[cfg(target_arch = "aarch64")]
-    if let (SimdLevel::Neon | SimdLevel::NeonDot, XRow::Q8(x)) = (level, &x) {
+    if matches!(level, SimdLevel::Neon | SimdLevel::NeonDot) {
+        let dot = level == SimdLevel::NeonDot;
         // SAFETY: the NEON levels are only used when the CPU has them (SimdLevel::is_available
         // is checked by every caller); the sizes were checked above; XRow::Q8 goes with the
-        // legacy formats only (the kind check above).
+        // legacy formats and XRow::Q8K with the k-quants only (the kind check above).
         unsafe {
-            if level == SimdLevel::NeonDot {
-                neon::gemv_rows_dot(ty, w, row_bytes, x, out)
-            } else {
-                neon::gemv_rows(ty, w, row_bytes, x, out)
+            match &x {
+                XRow::Q8(x) if dot => neon::gemv_rows_dot(ty, w, row_bytes, x, out),
+                XRow::Q8(x) => neon::gemv_rows(ty, w, row_bytes, x, out),
+                XRow::Q8K(x) if dot => neon::gemv_rows_k_dot(ty, w, row_bytes, x, out),
+                XRow::Q8K(x) => neon::gemv_rows_k(ty, w, row_bytes, x, out),
+                XRow::F32(_) => scalar::gemv_rows(ty, w, row_bytes, x, out),
             }
         };
         return;

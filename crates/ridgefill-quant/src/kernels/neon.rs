@@ -1,11 +1,12 @@
-//! aarch64 NEON kernels for the 32-element legacy formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the
-//! unpacked weight values (0..32 as signed bytes, or Q8_0's signed quants) meet the signed
-//! activation bytes sixteen at a time, four weight rows per activation load.
+//! aarch64 NEON kernels for the 32-element legacy formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the
+//! k-quants (Q4_K, Q5_K, Q6_K): the unpacked weight values (small unsigned values as signed
+//! bytes, or Q8_0's signed quants) meet the signed activation bytes sixteen at a time; the legacy
+//! kernels take four weight rows per activation load.
 //!
 //! Two levels: plain NEON widens (`smull` / `smull2` into i16, `sadalp` into i32), and with the
 //! dot-product extension (Apple M1 on, Cortex-A76 on) one `sdot` adds groups of four products
 //! straight into i32 lanes. Rust's `vdotq_s32` is still unstable, so `sdot` is one instruction of
-//! inline assembly. The k-quants and float weights stay on the scalar kernels.
+//! inline assembly. Float weights stay on the scalar kernels.
 //!
 //! Checked under qemu-aarch64 (`-cpu max`, both levels) against the scalar kernels and the f64
 //! reference; not measured on ARM hardware.
@@ -19,7 +20,9 @@ use std::arch::asm;
 use half::f16;
 use ridgefill_io::GgmlType;
 
-use crate::act::{Q8Row, QK};
+use super::k4_scales;
+use super::layout::*;
+use crate::act::{KSUM, Q8KRow, Q8Row, QK, QK_K};
 
 /// Rows per kernel pass.
 const ROWS: usize = 4;
@@ -210,6 +213,176 @@ unsafe fn gemv<D: Dot>(ty: GgmlType, w: &[u8], row_bytes: usize, x: &Q8Row<'_>, 
             r += 1;
         }
     }
+}
+
+/// Sum of the products of sixteen weight values with sixteen activation bytes at `x`.
+///
+/// # Safety
+/// `D`'s instructions present; sixteen readable bytes at `x`.
+#[inline(always)]
+unsafe fn dot16<D: Dot>(q: int8x16_t, x: *const i8) -> i32 {
+    // SAFETY: guaranteed by the caller.
+    unsafe { vaddvq_s32(D::dot(vdupq_n_s32(0), q, vld1q_s8(x))) }
+}
+
+/// One Q4_K / Q5_K (`FIVE`) row: Σ_j sc_j·Σ(q·x) over 8 sub-blocks of 32, minus
+/// dmin·Σ_j mn_j·bsum_j (the scalar `row_q4k_q5k`'s arithmetic).
+///
+/// # Safety
+/// `D`'s instructions present; the row at `p` matches `x`.
+#[inline(always)]
+unsafe fn row_q45k<D: Dot, const FIVE: bool>(p: *const u8, x: &Q8KRow<'_>) -> f32 {
+    let ty = if FIVE { GgmlType::Q5_K } else { GgmlType::Q4_K };
+    let ts = ty.type_size();
+    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+    let mut acc = 0f32;
+    // SAFETY: super-block b of x and of the row is in bounds (caller's contract).
+    unsafe {
+        let m4 = vdupq_n_u8(0x0F);
+        let one = vdupq_n_u8(1);
+        for b in 0..x.d.len() {
+            let blk = p.add(b * ts);
+            let xq = x.qs.as_ptr().add(b * QK_K);
+            let bs = x.bsums.as_ptr().add(b * (QK_K / KSUM));
+            let (sc, mn) = k4_scales(&*(blk.add(K_SCALES) as *const [u8; 12]));
+            let (mut sumi, mut summ) = (0i32, 0i32);
+            for pair in 0..QK_K / QK / 2 {
+                // Bytes 32·pair..: low nibbles are sub-block 2·pair, high ones 2·pair + 1.
+                for half in 0..2 {
+                    let at = pair * QK + half * HALF;
+                    let q = vld1q_u8(blk.add(qs_at + at));
+                    let (mut lo, mut hi) = (vandq_u8(q, m4), vshrq_n_u8::<4>(q));
+                    if FIVE {
+                        // Bit j of qh[l] is the fifth bit of value l of sub-block j.
+                        let qh = vld1q_u8(blk.add(K_QH + half * HALF));
+                        let bit = |j: i8| {
+                            let b = vandq_u8(vshlq_u8(qh, vdupq_n_s8(-j)), one);
+                            vshlq_n_u8::<4>(b)
+                        };
+                        lo = vorrq_u8(lo, bit(2 * pair as i8));
+                        hi = vorrq_u8(hi, bit(2 * pair as i8 + 1));
+                    }
+                    let j = 2 * pair;
+                    let s_lo = dot16::<D>(vreinterpretq_s8_u8(lo), xq.add(j * QK + half * HALF));
+                    let s_hi =
+                        dot16::<D>(vreinterpretq_s8_u8(hi), xq.add((j + 1) * QK + half * HALF));
+                    sumi += s_lo * ((sc >> (8 * j)) & 0xFF) as i32
+                        + s_hi * ((sc >> (8 * (j + 1))) & 0xFF) as i32;
+                }
+            }
+            for j in 0..QK_K / QK {
+                let bsum = *bs.add(2 * j) as i32 + *bs.add(2 * j + 1) as i32;
+                summ += ((mn >> (8 * j)) & 0xFF) as i32 * bsum;
+            }
+            let dx = *x.d.get_unchecked(b);
+            acc += (f16_at(blk, 0) * dx) * sumi as f32 - (f16_at(blk, 2) * dx) * summ as f32;
+        }
+    }
+    acc
+}
+
+/// One Q6_K row: Σ_g sc_g·Σ(q·x) over 16 groups of 16 with q stored as 0..63, minus
+/// 32·Σ_g sc_g·bsum_g (the scalar `row_q6k`'s arithmetic).
+///
+/// # Safety
+/// As for [`row_q45k`].
+#[inline(always)]
+unsafe fn row_q6k<D: Dot>(p: *const u8, x: &Q8KRow<'_>) -> f32 {
+    let ts = GgmlType::Q6_K.type_size();
+    const OFFSET: i32 = 32;
+    let mut acc = 0f32;
+    // SAFETY: super-block b of x and of the row is in bounds (caller's contract).
+    unsafe {
+        let m4 = vdupq_n_u8(0x0F);
+        let m2 = vdupq_n_u8(0x03);
+        for b in 0..x.d.len() {
+            let blk = p.add(b * ts);
+            let xq = x.qs.as_ptr().add(b * QK_K);
+            let bs = x.bsums.as_ptr().add(b * (QK_K / KSUM));
+            let sc = |i: usize| *(blk.add(Q6K_SCALES + i) as *const i8) as i32;
+            let mut sumi = 0i32;
+            for h in 0..2 {
+                for l0 in [0, HALF] {
+                    let ql_a = vld1q_u8(blk.add(h * 64 + l0));
+                    let ql_b = vld1q_u8(blk.add(h * 64 + 32 + l0));
+                    let qh = vld1q_u8(blk.add(Q6K_QH + h * 32 + l0));
+                    let high =
+                        |shift: i8| vshlq_n_u8::<4>(vandq_u8(vshlq_u8(qh, vdupq_n_s8(-shift)), m2));
+                    let q = [
+                        vorrq_u8(vandq_u8(ql_a, m4), high(0)),
+                        vorrq_u8(vandq_u8(ql_b, m4), high(2)),
+                        vorrq_u8(vshrq_n_u8::<4>(ql_a), high(4)),
+                        vorrq_u8(vshrq_n_u8::<4>(ql_b), high(6)),
+                    ];
+                    for (g, &q) in q.iter().enumerate() {
+                        let e = h * 128 + g * 32 + l0;
+                        sumi += sc(e / KSUM) * dot16::<D>(vreinterpretq_s8_u8(q), xq.add(e));
+                    }
+                }
+            }
+            let corr: i32 = (0..QK_K / KSUM).map(|i| sc(i) * *bs.add(i) as i32).sum();
+            acc += (f16_at(blk, Q6K_D) * *x.d.get_unchecked(b)) * (sumi - OFFSET * corr) as f32;
+        }
+    }
+    acc
+}
+
+/// `out[r] = W[r]·x` for k-quant rows, one row at a time.
+///
+/// # Safety
+/// `D`'s instructions present; sizes checked by the caller; `ty` is Q4_K, Q5_K or Q6_K.
+#[inline(always)]
+unsafe fn gemv_k<D: Dot>(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    x: &Q8KRow<'_>,
+    out: &mut [f32],
+) {
+    for (r, o) in out.iter_mut().enumerate() {
+        // SAFETY: row r is inside w (caller's contract).
+        let p = unsafe { w.as_ptr().add(r * row_bytes) };
+        // SAFETY: forwarded from the caller.
+        *o = unsafe {
+            match ty {
+                GgmlType::Q4_K => row_q45k::<D, false>(p, x),
+                GgmlType::Q5_K => row_q45k::<D, true>(p, x),
+                _ => row_q6k::<D>(p, x),
+            }
+        };
+    }
+}
+
+/// [`gemv_rows`] for the k-quants (Q4_K, Q5_K, Q6_K), baseline NEON.
+///
+/// # Safety
+/// Sizes checked by the caller; `ty` is Q4_K, Q5_K or Q6_K.
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn gemv_rows_k(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    x: &Q8KRow<'_>,
+    out: &mut [f32],
+) {
+    // SAFETY: forwarded from the caller; NEON is the aarch64 baseline.
+    unsafe { gemv_k::<Widen>(ty, w, row_bytes, x, out) }
+}
+
+/// [`gemv_rows_k`] with the dot-product extension.
+///
+/// # Safety
+/// As for [`gemv_rows_k`], and the CPU has the dot-product extension.
+#[target_feature(enable = "neon,dotprod")]
+pub(super) unsafe fn gemv_rows_k_dot(
+    ty: GgmlType,
+    w: &[u8],
+    row_bytes: usize,
+    x: &Q8KRow<'_>,
+    out: &mut [f32],
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe { gemv_k::<Sdot>(ty, w, row_bytes, x, out) }
 }
 
 /// See [`super::gemv_rows`], for the legacy formats, baseline NEON.
