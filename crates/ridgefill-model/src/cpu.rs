@@ -842,6 +842,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         k: FlexTensor,
         v: FlexTensor,
         /// K and V are f16 (decode rows through the group kernel only).
+        #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
         half: bool,
         n: usize,
         seen: Vec<usize>,
