@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The quantised kernels' tests on aarch64 (NEON, and NEON with the dot-product extension), built
-# for aarch64 Linux and run under qemu-user on an x86-64 machine: every format against the scalar
-# kernels and the f64 reference, on random blocks and SmolLM2's / Gemma 3's tensors when fetched.
+# The whole workspace checked (clippy) for aarch64 Linux, and the quantised kernels' tests (NEON,
+# and NEON with the dot-product extension) built for it and run under qemu-user on an x86-64
+# machine: every format against the scalar kernels and the f64 reference, on random blocks and
+# SmolLM2's / Gemma 3's tensors when fetched.
 # Correctness only: emulated timings say nothing about ARM hardware.
 #
 # Installs what it needs when missing (qemu-user and the aarch64 cross gcc through apt, as root;
@@ -33,5 +34,6 @@ export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 # `-cpu max` has the dot-product extension, so both NEON levels run.
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max"
 
-cargo clippy --release -p ridgefill-quant --all-targets --target "$target" -- -D warnings
+# The whole workspace must build for aarch64 (Apple Silicon, ARM servers): a check, no codegen.
+cargo clippy --release --workspace --all-targets --target "$target" -- -D warnings
 cargo test --release -p ridgefill-quant --target "$target"
