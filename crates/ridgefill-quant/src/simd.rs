@@ -3,7 +3,8 @@
 use std::sync::OnceLock;
 
 /// Environment variable that forces a lower level (`scalar`; `neon`, `neondot`; `avx2`,
-/// `avxvnni`, `avx512vnni`); unknown values are ignored.
+/// `avxvnni`, `avx512vnni`); a value that names no level, or one this CPU lacks, is reported on
+/// stderr and the best level runs.
 pub const SIMD_ENV: &str = "RIDGEFILL_SIMD";
 
 /// An instruction-set level the kernels are written for.
@@ -60,20 +61,37 @@ impl SimdLevel {
     pub fn detect() -> SimdLevel {
         static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
         *LEVEL.get_or_init(|| {
-            let best = Self::available()
-                .into_iter()
-                .max()
-                .unwrap_or(SimdLevel::Scalar);
-            match std::env::var(SIMD_ENV).ok().as_deref().map(str::trim) {
-                Some("scalar") => SimdLevel::Scalar,
-                Some("neon") if SimdLevel::Neon.is_available() => SimdLevel::Neon,
-                Some("neondot") if SimdLevel::NeonDot.is_available() => SimdLevel::NeonDot,
-                Some("avx2") if best >= SimdLevel::Avx2 => SimdLevel::Avx2,
-                Some("avxvnni") if SimdLevel::AvxVnni.is_available() => SimdLevel::AvxVnni,
-                Some("avx512vnni") if best >= SimdLevel::Avx512Vnni => SimdLevel::Avx512Vnni,
-                _ => best,
-            }
+            let available = Self::available();
+            let value = std::env::var(SIMD_ENV).ok();
+            Self::choose(value.as_deref(), &available).unwrap_or_else(|msg| {
+                eprintln!("warning: {msg}");
+                available.last().copied().unwrap_or(SimdLevel::Scalar)
+            })
         })
+    }
+
+    /// The level [`SIMD_ENV`]'s `value` asks for among `available` (lowest first): the best one
+    /// when unset or blank; `Err` names the problem when the value is no level or one this CPU
+    /// lacks.
+    pub fn choose(value: Option<&str>, available: &[SimdLevel]) -> Result<SimdLevel, String> {
+        let best = available.last().copied().unwrap_or(SimdLevel::Scalar);
+        let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+            return Ok(best);
+        };
+        let names = |ls: &[SimdLevel]| ls.iter().map(|l| l.name()).collect::<Vec<_>>().join(", ");
+        match Self::ALL.into_iter().find(|l| l.name() == v) {
+            Some(l) if available.contains(&l) => Ok(l),
+            Some(_) => Err(format!(
+                "{SIMD_ENV}={v}: this CPU cannot run that level (it has: {}); running {}",
+                names(available),
+                best.name()
+            )),
+            None => Err(format!(
+                "{SIMD_ENV}={v}: no such level (one of: {}); running {}",
+                names(&Self::ALL),
+                best.name()
+            )),
+        }
     }
 
     /// Lower-case name, as [`SIMD_ENV`] spells it.
@@ -153,5 +171,30 @@ mod tests {
             cfg!(target_arch = "aarch64")
         );
         assert!(levels.windows(2).all(|w| w[0] < w[1]), "lowest first");
+    }
+
+    #[test]
+    fn the_env_value_picks_an_available_level_or_says_what_is_wrong() {
+        use SimdLevel::*;
+        let x86 = [Scalar, Avx2, AvxVnni];
+        assert_eq!(SimdLevel::choose(None, &x86), Ok(AvxVnni));
+        assert_eq!(SimdLevel::choose(Some("  "), &x86), Ok(AvxVnni));
+        assert_eq!(SimdLevel::choose(Some(" avx2 "), &x86), Ok(Avx2));
+        assert_eq!(SimdLevel::choose(Some("scalar"), &x86), Ok(Scalar));
+        let lacking = SimdLevel::choose(Some("avx512vnni"), &x86).unwrap_err();
+        assert!(lacking.contains("RIDGEFILL_SIMD=avx512vnni"), "{lacking}");
+        assert!(lacking.contains("cannot run"), "{lacking}");
+        assert!(lacking.contains("scalar, avx2, avxvnni"), "{lacking}");
+        assert!(lacking.ends_with("running avxvnni"), "{lacking}");
+        let typo = SimdLevel::choose(Some("avx512"), &x86).unwrap_err();
+        assert!(
+            typo.contains("RIDGEFILL_SIMD=avx512: no such level"),
+            "{typo}"
+        );
+        assert!(typo.contains("neondot"), "{typo}");
+        let arm = [Scalar, Neon];
+        assert!(SimdLevel::choose(Some("neondot"), &arm).is_err());
+        assert_eq!(SimdLevel::choose(Some("neon"), &arm), Ok(Neon));
+        assert_eq!(SimdLevel::choose(None, &[]), Ok(Scalar));
     }
 }
