@@ -1,9 +1,11 @@
 //! Pure-format readers for RidgeFill (GGUF, HF safetensors, tokenizers, chat templates); weights come out as `Vec<f32>`.
 
+pub mod atomic;
 mod bytes;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod date;
 mod error;
 pub mod fill;
 pub mod fuzzing;

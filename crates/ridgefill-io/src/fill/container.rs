@@ -1,10 +1,9 @@
 //! The safetensors container shared by fill and statistics files: validated reads, atomic writes.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use serde_json::Value;
@@ -20,9 +19,6 @@ const MAX_HEADER_BYTES: usize = 100_000_000;
 const WRITE_CHUNK_ELEMS: usize = 1 << 16;
 /// Write buffer size for the temporary file.
 const WRITE_BUFFER_BYTES: usize = 1 << 20;
-
-/// Unique suffix for temporary files written by this process.
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// A safetensors file mapped into memory with its header parsed and checked against its length.
 pub(crate) struct Reader {
@@ -310,35 +306,7 @@ pub(crate) fn write_atomic(
     tensors: &[OutTensor],
 ) -> Result<()> {
     let header = build_header(path, key, json, tensors)?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path.file_name().ok_or_else(|| IoError::MissingFile {
-        path: path.to_path_buf(),
-        what: "file name to write to".into(),
-    })?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        name.to_string_lossy(),
-        std::process::id(),
-        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(|e| IoError::os(path, "write (create a temporary file in its directory)", e))?;
-    let result = write_body(path, file, &header, tensors).and_then(|()| {
-        std::fs::rename(&tmp, path)
-            .map_err(|e| IoError::os(path, "write (rename the temporary file into place)", e))
-    });
-    if result.is_err() {
-        // Best effort: the error being returned matters more than a failed clean-up.
-        let _ = std::fs::remove_file(&tmp);
-        return result;
-    }
-    sync_dir(path, &dir)
+    crate::atomic::write_with(path, |file| write_body(path, file, &header, tensors))
 }
 
 fn write_body(path: &Path, file: File, header: &[u8], tensors: &[OutTensor]) -> Result<()> {
@@ -355,19 +323,6 @@ fn write_body(path: &Path, file: File, header: &[u8], tensors: &[OutTensor]) -> 
         .map_err(|e| IoError::os(path, "write", e.into_error()))?;
     file.sync_all()
         .map_err(|e| IoError::os(path, "write (fsync)", e))
-}
-
-/// Makes the rename durable; directories cannot be opened for syncing on every platform.
-fn sync_dir(path: &Path, dir: &Path) -> Result<()> {
-    #[cfg(unix)]
-    {
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| IoError::os(path, "write (fsync the directory)", e))?;
-    }
-    #[cfg(not(unix))]
-    let _ = (path, dir);
-    Ok(())
 }
 
 /// The padded JSON header, after checking every tensor's length and finiteness.
