@@ -7,9 +7,9 @@
 //! after the device has finished.
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use ridgefill::model::fill::{FillMaps, FillRows};
+use ridgefill::model::fill::{self, FillMaps, FillOptions, FillRows, Prefill};
 use ridgefill::model::synthetic::shape;
-use ridgefill::model::{DeviceChoice, FloatDType, Llama, Tensor, select_device, to_host_f32};
+use ridgefill::model::{Decoder, DeviceChoice, FloatDType, Tensor, select_device, to_host_f32};
 
 /// The split the speed targets are stated at.
 const SPLIT: usize = 15;
@@ -20,7 +20,7 @@ const SEED: u64 = 42;
 /// Prefill at 2048 takes seconds on a CPU: few samples, or a run takes an hour.
 const SAMPLES: usize = 10;
 
-fn setup() -> (Llama, FillMaps) {
+fn setup() -> (Decoder, FillMaps) {
     let choice: DeviceChoice = std::env::var("RIDGEFILL_BENCH_DEVICE")
         .unwrap_or_else(|_| "cpu".into())
         .parse()
@@ -29,8 +29,8 @@ fn setup() -> (Llama, FillMaps) {
     eprintln!("device: {} ({})", dev.backend, dev.adapter);
     let cfg = shape("smollm2-135m").expect("known shape");
     let max = LENGTHS.iter().copied().max().unwrap_or(1) + DECODE_DEPTH + 1;
-    let model = Llama::random(cfg, &dev.device, FloatDType::F32, max, SEED).expect("model");
-    let maps = model.own_proj_maps(SPLIT).expect("maps");
+    let model = Decoder::random(cfg, &dev.device, FloatDType::F32, max, SEED).expect("model");
+    let maps = FillMaps::own_proj(&model, SPLIT).expect("maps");
     (model, maps)
 }
 
@@ -63,9 +63,14 @@ fn benches(c: &mut Criterion) {
                     salt += 1;
                     cache.reset();
                     to_host_f32(
-                        model
-                            .prefill_fill(&ids(n, salt), &mut cache, &maps, rows)
-                            .unwrap(),
+                        Prefill::run(
+                            &model,
+                            &ids(n, salt),
+                            &mut cache,
+                            FillOptions::fill(&maps, rows),
+                        )
+                        .map(|f| f.logits)
+                        .unwrap(),
                     )
                 })
             },
@@ -84,7 +89,7 @@ fn benches(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("fill_cache", n), &n, |b, _| {
             b.iter(|| {
                 cache.reset();
-                model.fill_cache(&maps, h.clone(), &mut cache, 1);
+                fill::exact::fill_cache(&model, &maps, h.clone(), &mut cache, 1);
                 model.device.sync().unwrap();
             })
         });

@@ -8,14 +8,14 @@ use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_io::fill::{
     FillFile, METADATA_KEY, ModelFingerprint, PRECISION_TENSOR, k_tensor_name, v_tensor_name,
 };
-use ridgefill_model::Llama;
+use ridgefill_model::Decoder;
 use ridgefill_model::fill::{
     DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, DEFAULT_SPAN_RADIUS, FillMaps, FillMethod, FillRows,
 };
 
 /// Reads `path`, checks it was made for this model and holds only finite numbers, and uploads
 /// the maps to the model's device.
-pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Llama) -> Result<(FillFile, FillMaps)> {
+pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Decoder) -> Result<(FillFile, FillMaps)> {
     let file = FillFile::read(path)?;
     file.check_model(path, &ModelFingerprint::of(ckpt))?;
     let layers = model.num_layers();
@@ -78,7 +78,7 @@ pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Llama) -> Result<(FillF
 pub fn load_configured(
     path: &Path,
     ckpt: &Checkpoint,
-    model: &Llama,
+    model: &Decoder,
     choice: &MethodChoice,
 ) -> Result<(FillMethod, FillMaps, FillRows)> {
     let (file, maps) = load_maps(path, ckpt, model)?;

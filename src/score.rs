@@ -1,7 +1,7 @@
 //! Teacher-forced scoring (`ridgefill score`).
 
+use ridgefill_model::Decoder;
 use ridgefill_model::ModelError;
-use ridgefill_model::llama::Llama;
 
 /// Teacher-forced NLL summary.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -38,7 +38,7 @@ pub enum ScoreError {
 
 /// Scores `ids` in non-overlapping windows of `ctx` (a last partial window of ≥ 2 tokens counts).
 /// Stops with [`crate::interrupt::Interrupted`] between windows once Ctrl-C was pressed.
-pub fn score_ids(model: &Llama, ids: &[u32], ctx: usize) -> anyhow::Result<ScoreResult> {
+pub fn score_ids(model: &Decoder, ids: &[u32], ctx: usize) -> anyhow::Result<ScoreResult> {
     if ctx < 2 {
         return Err(ScoreError::CtxTooSmall(ctx).into());
     }

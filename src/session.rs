@@ -4,8 +4,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 use ridgefill_io::checkpoint::Checkpoint;
-use ridgefill_model::llama::LoadOptions;
-use ridgefill_model::{DeviceChoice, DeviceInfo, FloatDType, Llama, WeightFormat, select_device};
+use ridgefill_model::LoadOptions;
+use ridgefill_model::{Decoder, DeviceChoice, DeviceInfo, FloatDType, WeightFormat, select_device};
 
 /// What to load and where.
 #[derive(Clone, Debug)]
@@ -20,7 +20,7 @@ pub use ridgefill_model::dtype_name;
 
 pub struct Loaded {
     pub ckpt: Checkpoint,
-    pub model: Llama,
+    pub model: Decoder,
     pub device: DeviceInfo,
     pub load_ms: f64,
 }
@@ -45,7 +45,7 @@ pub fn load(args: &LoadArgs, max_positions: usize) -> Result<Loaded> {
         weights: args.weights,
     };
     // Every load error already names the file (and tensor): no "loading FILE:" prefix.
-    let model = Llama::load(&ckpt, &device.device, &opts)?;
+    let model = Decoder::load(&ckpt, &device.device, &opts)?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(Loaded {
         ckpt,

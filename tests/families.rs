@@ -7,8 +7,8 @@
 mod common;
 
 use ridgefill::io::config::{Activation, ModelConfig};
-use ridgefill::model::fill::{FillMaps, FillRows};
-use ridgefill::model::llama::Llama;
+use ridgefill::model::Decoder;
+use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
 use ridgefill::model::{Device, FloatDType, Tensor, to_host_f32};
 
 /// Agreement expected between an f32 model and the f64 reference.
@@ -54,10 +54,11 @@ fn families() -> Vec<(&'static str, ModelConfig)> {
     vec![("qwen2", qwen2()), ("qwen3", qwen3()), ("gemma3", gemma3())]
 }
 
-fn model(cfg: &ModelConfig, cpu_kernels: bool) -> Llama {
+fn model(cfg: &ModelConfig, cpu_kernels: bool) -> Decoder {
     common::init();
-    let mut m = Llama::random(cfg.clone(), &Device::flex(), FloatDType::F32, CAPACITY, 17).unwrap();
-    m.cpu_kernels = cpu_kernels;
+    let mut m =
+        Decoder::random(cfg.clone(), &Device::flex(), FloatDType::F32, CAPACITY, 17).unwrap();
+    m.set_cpu_kernels(cpu_kernels);
     m
 }
 
@@ -106,7 +107,7 @@ fn softcap(x: f64, cap: Option<f64>) -> f64 {
 /// Plain f64 forward from the model's own tensors, following transformers' Llama / Qwen2 /
 /// Qwen3 / Gemma 3 code (`window` per layer overrides the model's when given); returns the
 /// logits of every position.
-fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Vec<Vec<f64>> {
+fn reference(m: &Decoder, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Vec<Vec<f64>> {
     let c = &m.config;
     let (d, hd, nh, nkv) = (
         c.hidden_size,
@@ -134,7 +135,7 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
             c.rope_theta
         };
         let (ln1, wqkv) = (
-            host(&layer.input_layernorm),
+            host(&layer.pre_attn_norm),
             host(&layer.qkv_proj.dense(&m.device, m.dtype)),
         );
         let bias = layer.qkv_bias.as_ref().map(host);
@@ -165,12 +166,10 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
         }
         let att_scale = 1.0 / c.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt();
         let group = nh / nkv;
-        let (wo, ln2) = (
-            host(&layer.o_proj.dense(&m.device, m.dtype)),
-            host(&layer.post_attention_layernorm),
-        );
-        let pre_ff = layer.pre_feedforward_layernorm.as_ref().map(host);
-        let post_ff = layer.post_feedforward_layernorm.as_ref().map(host);
+        let wo = host(&layer.o_proj.dense(&m.device, m.dtype));
+        let post_attn = layer.post_attn_norm.as_ref().map(host);
+        let pre_mlp = host(&layer.pre_mlp_norm);
+        let post_mlp = layer.post_mlp_norm.as_ref().map(host);
         let (wgu, wd) = (
             host(&layer.gate_up_proj.dense(&m.device, m.dtype)),
             host(&layer.down_proj.dense(&m.device, m.dtype)),
@@ -199,14 +198,11 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
                 }
             }
             let mut o = vecmat(&attn, &wo);
-            let mlp_norm = if c.sandwich_norms {
-                o = rms_norm(&o, &ln2, eps);
-                pre_ff.as_ref().unwrap()
-            } else {
-                &ln2
-            };
+            if let Some(w) = &post_attn {
+                o = rms_norm(&o, w, eps);
+            }
             hs[i].iter_mut().zip(&o).for_each(|(h, o)| *h += o);
-            let gu = vecmat(&rms_norm(&hs[i], mlp_norm, eps), &wgu);
+            let gu = vecmat(&rms_norm(&hs[i], &pre_mlp, eps), &wgu);
             let act: Vec<f64> = (0..ff)
                 .map(|j| {
                     let (g, u) = (gu[j], gu[ff + j]);
@@ -221,7 +217,7 @@ fn reference(m: &Llama, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Ve
                 })
                 .collect();
             let mut y = vecmat(&act, &wd);
-            if let Some(w) = &post_ff {
+            if let Some(w) = &post_mlp {
                 y = rms_norm(&y, w, eps);
             }
             hs[i].iter_mut().zip(&y).for_each(|(h, y)| *h += y);
@@ -315,7 +311,7 @@ fn cached_decode_equals_uncached_forward_on_every_family() {
     }
 }
 
-fn random_maps(m: &Llama, split: usize) -> FillMaps {
+fn random_maps(m: &Decoder, split: usize) -> FillMaps {
     let c = &m.config;
     let rows = (c.hidden_size + 1) * c.kv_dim();
     let mut x = 0.1f32;
@@ -368,7 +364,11 @@ fn skip_fill_with_every_row_exact_equals_full_prefill_on_every_family() {
             };
             for rows in [tail, spans] {
                 let mut cache = m.new_cache(N + 1);
-                let got = to_host_f32(m.prefill_fill(&ids[..N], &mut cache, &maps, rows).unwrap());
+                let got = to_host_f32(
+                    Prefill::run(&m, &ids[..N], &mut cache, FillOptions::fill(&maps, rows))
+                        .map(|f| f.logits)
+                        .unwrap(),
+                );
                 let d = common::max_abs_diff(&full, &got);
                 assert!(
                     d < 1e-4,
@@ -388,8 +388,14 @@ fn skip_fill_with_every_row_exact_equals_full_prefill_on_every_family() {
                 ..FillRows::default()
             };
             let got = to_host_f32(
-                m.prefill_fill(&ids[..N], &mut m.new_cache(N), &maps, rows)
-                    .unwrap(),
+                Prefill::run(
+                    &m,
+                    &ids[..N],
+                    &mut m.new_cache(N),
+                    FillOptions::fill(&maps, rows),
+                )
+                .map(|f| f.logits)
+                .unwrap(),
             );
             assert!(got.iter().all(|x| x.is_finite()), "{name}");
             assert!(
@@ -418,7 +424,7 @@ fn sliding_window_longer_than_the_prompt_is_full_attention() {
             layer.window = None;
         }
         let ids = prompt(N, cfg.vocab_size);
-        let run = |m: &Llama| to_host_f32(m.prefill(&ids, &mut m.new_cache(N)).unwrap());
+        let run = |m: &Decoder| to_host_f32(m.prefill(&ids, &mut m.new_cache(N)).unwrap());
         let (a, b, c) = (run(&windowed), run(&wide), run(&open));
         assert!(common::max_abs_diff(&b, &c) < 1e-5, "window N vs none");
         assert!(
@@ -472,7 +478,9 @@ fn sliding_layers_fill_only_rows_in_reach() {
             let run = |maps: &FillMaps| {
                 let mut cache = m.new_cache(N + DECODE);
                 let mut out = vec![to_host_f32(
-                    m.prefill_fill(&ids[..N], &mut cache, maps, rows).unwrap(),
+                    Prefill::run(&m, &ids[..N], &mut cache, FillOptions::fill(maps, rows))
+                        .map(|f| f.logits)
+                        .unwrap(),
                 )];
                 for &t in &ids[N..] {
                     out.push(to_host_f32(m.decode_step(t, &mut cache).unwrap()));
@@ -515,10 +523,10 @@ fn fused_kernels_gate_by_block_features() {
 #[test]
 fn wgpu_matches_flex_on_every_family() {
     const N: usize = 12;
-    let dev = ridgefill::model::select_device(ridgefill::model::DeviceChoice::Wgpu).unwrap();
+    let dev = common::wgpu();
     for (name, cfg) in families() {
         let flex = model(&cfg, true);
-        let gpu = Llama::random(cfg.clone(), &dev.device, FloatDType::F32, CAPACITY, 17).unwrap();
+        let gpu = Decoder::random(cfg.clone(), &dev.device, FloatDType::F32, CAPACITY, 17).unwrap();
         let ids = prompt(N, cfg.vocab_size);
         let a = to_host_f32(
             flex.forward_all_logits(&ids, &mut flex.new_cache(N))

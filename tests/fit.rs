@@ -9,7 +9,7 @@ use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::io::fill::{FillDtype, ModelFingerprint, SplitTrial};
 use ridgefill::io::stats::{Moments, StatsFile};
 use ridgefill::io::text::Document;
-use ridgefill::model::fill::{FillMethod, FillRows};
+use ridgefill::model::fill::{FillMaps, FillMethod, FillOptions, FillRows, Prefill};
 use ridgefill::model::{Device, to_host_f32};
 use ridgefill_fit::FitError;
 use ridgefill_fit::calibrate::{
@@ -126,7 +126,7 @@ fn fit_recovers_the_split_layers_own_projection() {
     let q = &file.meta.quality[0];
     assert_eq!(q.layer, SPLIT);
     assert!(q.r2_k > 0.9999 && q.r2_v > 0.9999, "{q:?}");
-    let own = to_host_f32(model.own_proj_maps(SPLIT).unwrap().w);
+    let own = to_host_f32(FillMaps::own_proj(&model, SPLIT).unwrap().w);
     let kv = model.config.kv_dim();
     let cols = 2 * kv;
     for r in 0..=model.config.hidden_size {
@@ -148,18 +148,21 @@ fn fit_recovers_the_split_layers_own_projection() {
     file.write(&path, FillDtype::F32).unwrap();
     let (_, maps) = ridgefill::fillfile::load_maps(&path, &ck, &model).unwrap();
     let ids: Vec<u32> = (0..20).map(|i| (i * 5 + 3) % 200).collect();
-    let logits = model
-        .prefill_fill(
-            &ids,
-            &mut model.new_cache(20),
+    let logits = Prefill::run(
+        &model,
+        &ids,
+        &mut model.new_cache(20),
+        FillOptions::fill(
             &maps,
             FillRows {
                 sink: 1,
                 tail: 4,
                 ..FillRows::default()
             },
-        )
-        .unwrap();
+        ),
+    )
+    .map(|f| f.logits)
+    .unwrap();
     assert!(to_host_f32(logits).iter().all(|x| x.is_finite()));
 }
 

@@ -2,8 +2,7 @@
 //! (`tests/golden/gemma3.json`, made by `scripts/reference_gemma3.py`): logits and greedy
 //! continuations fed the golden token ids (the decoder, not the tokenizer), and the mean NLL of
 //! `tests/data/score.txt` tokenized by RidgeFill (tokenizer, decoder and sliding windows
-//! together). Skipped when the model is not in `models/cache/gemma3-270m/`
-//! (`ridgefill fetch gemma3-270m`).
+//! together). The model is fetched when missing (`ridgefill fetch gemma3-270m`), never skipped.
 
 mod common;
 
@@ -14,36 +13,34 @@ use ridgefill::model::{Device, to_host_f32};
 const TOL: f64 = 1e-3;
 /// Issue 12: mean NLL within 1e-3 of transformers', relative.
 const NLL_REL_TOL: f64 = 1e-3;
-const MODEL: &str = "models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
-
-fn golden() -> Option<serde_json::Value> {
-    let text = std::fs::read_to_string(common::repo().join("tests/golden/gemma3.json")).ok()?;
-    Some(serde_json::from_str(&text).expect("golden JSON parses"))
+fn golden() -> serde_json::Value {
+    let path = common::repo().join("tests/golden/gemma3.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{} (made by scripts/reference_gemma3.py): {e}",
+            path.display()
+        )
+    });
+    serde_json::from_str(&text).expect("golden JSON parses")
 }
 
-/// The checkpoint and its golden values, or `None` (test skipped) when either is missing.
-fn setup() -> Option<(Checkpoint, serde_json::Value)> {
-    common::init();
-    let path = common::repo().join(MODEL);
-    let (Some(g), true) = (golden(), path.is_file()) else {
-        eprintln!("skipped: {MODEL} or tests/golden/gemma3.json missing");
-        return None;
-    };
-    Some((Checkpoint::open(&path).unwrap(), g))
+/// The checkpoint (fetched when missing) and its golden values.
+fn setup() -> (&'static Checkpoint, serde_json::Value) {
+    (common::gemma3_ckpt(), golden())
 }
 
 /// Mean NLL over windows of 1024 tokens: two sliding windows' worth, so windowed layers drop
 /// keys that global layers still see.
 #[test]
 fn gemma3_270m_nll_matches_transformers() {
-    let Some((ckpt, g)) = setup() else { return };
+    let (ckpt, g) = setup();
     let want = &g["score_long"];
     let text =
         std::fs::read_to_string(common::repo().join(want["file"].as_str().unwrap())).unwrap();
     let ids = ckpt.tokenizer.encode(&text, true).unwrap();
     assert_eq!(ids.len() as u64, want["n_tokens"].as_u64().unwrap());
     assert_eq!(ids[..16], common::ids_of(&want["first_ids"])[..]);
-    let model = common::load_on(&ckpt, &Device::flex());
+    let model = common::load_on(ckpt, &Device::flex());
     let ctx = want["ctx"].as_u64().unwrap() as usize;
     let got = ridgefill::score::score_ids(&model, &ids, ctx).unwrap();
     assert_eq!(
@@ -61,7 +58,7 @@ fn gemma3_270m_nll_matches_transformers() {
 
 #[test]
 fn gemma3_270m_logits_match_transformers() {
-    let Some((ckpt, g)) = setup() else { return };
+    let (ckpt, g) = setup();
     let c = &ckpt.config;
     assert_eq!(c.model_type, "gemma3_text");
     let facts = &g["model_facts"];
@@ -80,7 +77,7 @@ fn gemma3_270m_logits_match_transformers() {
     assert_eq!(types, want_types);
     assert_eq!(c.sliding_window, Some(512));
     assert_eq!(c.attention_scale(), facts["attn_scale"].as_f64().unwrap());
-    let model = common::load_on(&ckpt, &Device::flex());
+    let model = common::load_on(ckpt, &Device::flex());
     for (k, p) in g["prompts"].as_array().unwrap().iter().enumerate() {
         let ids = common::ids_of(&p["ids"]);
         let logits = to_host_f32(

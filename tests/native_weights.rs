@@ -9,8 +9,8 @@
 mod common;
 
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::fill::{FillMaps, FillRows};
-use ridgefill::model::llama::Llama;
+use ridgefill::model::Decoder;
+use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
 use ridgefill::model::{Device, WeightFormat, to_host_f32};
 
 /// Issue 13: whole-model NLL within 0.5% of the f32 path (SmolLM2 decodes at 0.3%).
@@ -24,7 +24,6 @@ const GEMMA_NLL_REL_TOL: f64 = 1.2e-2;
 /// Logits from 8-bit activations: at most this share of the logits' spread off the f32 path's
 /// (a 576-wide Q8 row carries ~0.4% relative error per dot product; margin for outliers).
 const LOGIT_SPREAD_TOL: f32 = 0.03;
-const GEMMA: &str = "models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
 /// Prompt rows, then teacher-forced decode steps.
 const PROMPT: usize = 48;
 const STEPS: usize = 128;
@@ -52,7 +51,7 @@ fn argmax(xs: &[f32]) -> usize {
 }
 
 /// Prefill logits, then the mean NLL and top-1 tokens of teacher-forced decode steps.
-fn run(m: &Llama, ids: &[u32]) -> (Vec<f32>, f64, Vec<usize>) {
+fn run(m: &Decoder, ids: &[u32]) -> (Vec<f32>, f64, Vec<usize>) {
     let mut cache = m.new_cache(ids.len());
     let first = to_host_f32(m.prefill(&ids[..PROMPT], &mut cache).unwrap());
     let (mut nll, mut top) = (-logp(&first, ids[PROMPT]), vec![argmax(&first)]);
@@ -65,7 +64,7 @@ fn run(m: &Llama, ids: &[u32]) -> (Vec<f32>, f64, Vec<usize>) {
 }
 
 /// Logits of skip-and-fill prefill of `ids` with every row exact (zero maps at half depth).
-fn fill_every_row_exact(m: &Llama, ids: &[u32], dev: &Device) -> Vec<f32> {
+fn fill_every_row_exact(m: &Decoder, ids: &[u32], dev: &Device) -> Vec<f32> {
     let c = &m.config;
     let split = c.num_hidden_layers / 2;
     let w = vec![vec![0.0f32; (c.hidden_size + 1) * c.kv_dim()]; c.num_hidden_layers - split];
@@ -76,8 +75,14 @@ fn fill_every_row_exact(m: &Llama, ids: &[u32], dev: &Device) -> Vec<f32> {
         ..FillRows::default()
     };
     to_host_f32(
-        m.prefill_fill(ids, &mut m.new_cache(ids.len()), &maps, rows)
-            .unwrap(),
+        Prefill::run(
+            &m,
+            ids,
+            &mut m.new_cache(ids.len()),
+            FillOptions::fill(&maps, rows),
+        )
+        .map(|f| f.logits)
+        .unwrap(),
     )
 }
 
@@ -136,17 +141,7 @@ fn smollm2_block_weights_match_f32() {
 
 #[test]
 fn gemma3_block_weights_match_f32() {
-    let path = common::repo().join(GEMMA);
-    if !path.is_file() {
-        eprintln!("skipped: {GEMMA} missing (ridgefill fetch gemma3-270m)");
-        return;
-    }
-    common::init();
-    check(
-        "gemma3",
-        &Checkpoint::open(&path).unwrap(),
-        GEMMA_NLL_REL_TOL,
-    );
+    check("gemma3", common::gemma3_ckpt(), GEMMA_NLL_REL_TOL);
 }
 
 /// Packed GPU weights hold the blocks' exact values, so wgpu at `native` matches flex at f32 up
@@ -162,9 +157,7 @@ fn smollm2_packed_gpu_weights_match_flex_f32() {
     const DECODE_STEPS: usize = 4;
     common::init();
     let ckpt = common::smollm2_ckpt();
-    let gpu = ridgefill::model::select_device(ridgefill::model::DeviceChoice::Wgpu)
-        .unwrap()
-        .device;
+    let gpu = common::wgpu().device;
     let packed = common::load_with(ckpt, &gpu, WeightFormat::Native);
     assert!(packed.layers.iter().all(|l| l.gate_up_proj.is_blocks()));
     assert!(packed.lm_head.is_blocks(), "head");

@@ -132,12 +132,7 @@ fn prefill_then_decode_equals_one_longer_prefill() {
 #[test]
 fn wgpu_matches_flex_on_smollm2() {
     let flex = smollm2_flex();
-    let wgpu = load_on(
-        smollm2_ckpt(),
-        &ridgefill::model::select_device(ridgefill::model::DeviceChoice::Wgpu)
-            .unwrap()
-            .device,
-    );
+    let wgpu = load_on(smollm2_ckpt(), &common::wgpu().device);
     let ids = ids_of(&golden()["prompts"][1]["ids"]);
     let a = to_host_f32(flex.prefill(&ids, &mut flex.new_cache(ids.len())).unwrap());
     let b = to_host_f32(wgpu.prefill(&ids, &mut wgpu.new_cache(ids.len())).unwrap());

@@ -7,8 +7,8 @@ mod common;
 mod tiny;
 
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::fill::{FillMaps, FillRows, Oracle};
-use ridgefill::model::llama::Llama;
+use ridgefill::model::Decoder;
+use ridgefill::model::fill::{self, FillMaps, FillOptions, FillRows, Oracle, Prefill};
 use ridgefill::model::{Device, FloatDType, Weight, WeightFormat, to_host_f32};
 
 /// Agreement expected between two f32 implementations of the same tiny model.
@@ -167,7 +167,7 @@ fn reference_logits(ck: &Checkpoint, tokens: &[u32]) -> Vec<f32> {
         .collect()
 }
 
-fn flex_model(ck: &Checkpoint) -> Llama {
+fn flex_model(ck: &Checkpoint) -> Decoder {
     common::load_on(ck, &Device::flex())
 }
 
@@ -231,7 +231,7 @@ fn all_position_logits_end_with_prefill_logits() {
     assert!(common::max_abs_diff(&all[7 * v..], &last) < 1e-5);
 }
 
-fn random_maps(model: &Llama, split: usize, seed: u64) -> FillMaps {
+fn random_maps(model: &Decoder, split: usize, seed: u64) -> FillMaps {
     let c = &model.config;
     let mut rng = tiny::Rng::new(seed);
     let n = (c.hidden_size + 1) * c.kv_dim();
@@ -266,9 +266,14 @@ fn skip_fill_with_whole_prompt_as_tail_equals_full_prefill() {
         ..FillRows::default()
     };
     let fill = to_host_f32(
-        model
-            .prefill_fill(&ids, &mut model.new_cache(10), &maps, rows)
-            .unwrap(),
+        Prefill::run(
+            &model,
+            &ids,
+            &mut model.new_cache(10),
+            FillOptions::fill(&maps, rows),
+        )
+        .map(|f| f.logits)
+        .unwrap(),
     );
     assert!(common::max_abs_diff(&full, &fill) < 1e-5);
 }
@@ -285,7 +290,11 @@ fn skip_fill_writes_the_maps_predictions_into_the_cache() {
         ..FillRows::default()
     };
     let mut cache = model.new_cache(10);
-    let fill = to_host_f32(model.prefill_fill(&ids, &mut cache, &maps, rows).unwrap());
+    let fill = to_host_f32(
+        Prefill::run(&model, &ids, &mut cache, FillOptions::fill(&maps, rows))
+            .map(|f| f.logits)
+            .unwrap(),
+    );
     assert_eq!(cache.len(), 10);
     // Exact-vs-filled differs: the random maps are not the model.
     let full = to_host_f32(model.prefill(&ids, &mut model.new_cache(10)).unwrap());
@@ -296,7 +305,7 @@ fn skip_fill_writes_the_maps_predictions_into_the_cache() {
     let h1 = model
         .forward_layers(h, 0..1, &mut model.new_cache(10), 0)
         .unwrap();
-    let feats = to_host_f32(model.fill_features(h1));
+    let feats = to_host_f32(fill::features(&model, h1));
     let w = to_host_f32(maps.w.clone());
     let (d1, kvd, cols) = (c.hidden_size + 1, c.kv_dim(), 2 * c.kv_dim());
     let v_cache = to_host_f32(cache.v[1].clone());
@@ -321,7 +330,7 @@ fn skip_fill_writes_the_maps_predictions_into_the_cache() {
 fn wgpu_matches_flex_on_tiny_model() {
     let f = fixture();
     let flex = flex_model(&f.hf);
-    let dev = ridgefill::model::select_device(ridgefill::model::DeviceChoice::Wgpu).unwrap();
+    let dev = common::wgpu();
     let gpu = common::load_on(&f.hf, &dev.device);
     let ids = prompt(13, flex.config.vocab_size);
     let a = to_host_f32(flex.prefill(&ids, &mut flex.new_cache(13)).unwrap());
@@ -341,12 +350,24 @@ fn wgpu_matches_flex_on_tiny_model() {
         ..FillRows::default()
     };
     let a = to_host_f32(
-        flex.prefill_fill(&ids, &mut flex.new_cache(13), &maps, rows)
-            .unwrap(),
+        Prefill::run(
+            &flex,
+            &ids,
+            &mut flex.new_cache(13),
+            FillOptions::fill(&maps, rows),
+        )
+        .map(|f| f.logits)
+        .unwrap(),
     );
     let b = to_host_f32(
-        gpu.prefill_fill(&ids, &mut gpu.new_cache(13), &maps_gpu, rows)
-            .unwrap(),
+        Prefill::run(
+            &gpu,
+            &ids,
+            &mut gpu.new_cache(13),
+            FillOptions::fill(&maps_gpu, rows),
+        )
+        .map(|f| f.logits)
+        .unwrap(),
     );
     let d = common::max_abs_diff(&a, &b);
     assert!(d < TOL, "skip-fill flex vs wgpu max |Δ| {d}");
@@ -360,12 +381,24 @@ fn wgpu_matches_flex_on_tiny_model() {
         .unwrap();
     let rows = spans_rows(4, 0.2, 1);
     let a = to_host_f32(
-        flex.prefill_fill(&ids, &mut flex.new_cache(13), &maps, rows)
-            .unwrap(),
+        Prefill::run(
+            &flex,
+            &ids,
+            &mut flex.new_cache(13),
+            FillOptions::fill(&maps, rows),
+        )
+        .map(|f| f.logits)
+        .unwrap(),
     );
     let b = to_host_f32(
-        gpu.prefill_fill(&ids, &mut gpu.new_cache(13), &maps_gpu, rows)
-            .unwrap(),
+        Prefill::run(
+            &gpu,
+            &ids,
+            &mut gpu.new_cache(13),
+            FillOptions::fill(&maps_gpu, rows),
+        )
+        .map(|f| f.logits)
+        .unwrap(),
     );
     let d = common::max_abs_diff(&a, &b);
     assert!(d < TOL, "spans-adapt flex vs wgpu max |Δ| {d}");
@@ -390,7 +423,7 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
     let capacity = PROMPT + CHUNK + STEPS;
     // The same seed gives the same weights.
     let model = || {
-        Llama::random(
+        Decoder::random(
             config.clone(),
             &Device::flex(),
             FloatDType::F32,
@@ -399,16 +432,17 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
         )
     };
     let fused = model().unwrap();
-    assert!(fused.cpu_kernels, "flex f32 must take the fused kernels");
+    assert!(fused.cpu_kernels(), "flex f32 must take the fused kernels");
     let mut plain = model().unwrap();
-    plain.cpu_kernels = false;
+    plain.set_cpu_kernels(false);
     let ids = prompt(capacity, fused.config.vocab_size);
     let (mut ca, mut cb) = (fused.new_cache(capacity), plain.new_cache(capacity));
     let check = |what: &str, a: Vec<f32>, b: Vec<f32>| {
         let d = common::max_abs_diff(&a, &b);
         assert!(d < TOL, "{what}: fused vs plain max |Δ| {d}");
     };
-    let all = |m: &Llama, c: &mut _| to_host_f32(m.forward_all_logits(&ids[..PROMPT], c).unwrap());
+    let all =
+        |m: &Decoder, c: &mut _| to_host_f32(m.forward_all_logits(&ids[..PROMPT], c).unwrap());
     check(
         "prefill, every position",
         all(&fused, &mut ca),
@@ -436,14 +470,24 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
     check(
         "skip-and-fill prefill",
         to_host_f32(
-            fused
-                .prefill_fill(&ids[..PROMPT], &mut fused.new_cache(PROMPT), &maps, rows)
-                .unwrap(),
+            Prefill::run(
+                &fused,
+                &ids[..PROMPT],
+                &mut fused.new_cache(PROMPT),
+                FillOptions::fill(&maps, rows),
+            )
+            .map(|f| f.logits)
+            .unwrap(),
         ),
         to_host_f32(
-            plain
-                .prefill_fill(&ids[..PROMPT], &mut plain.new_cache(PROMPT), &maps, rows)
-                .unwrap(),
+            Prefill::run(
+                &plain,
+                &ids[..PROMPT],
+                &mut plain.new_cache(PROMPT),
+                FillOptions::fill(&maps, rows),
+            )
+            .map(|f| f.logits)
+            .unwrap(),
         ),
     );
     let eye = stand_in_precision(&fused);
@@ -451,9 +495,14 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
         .with_adapt(&eye, 100.0, FloatDType::F32, &fused.device)
         .unwrap();
     let rows = spans_rows(40, 0.1, 4);
-    let (a, spans) = fused
-        .prefill_fill_spans(&ids[..PROMPT], &mut fused.new_cache(PROMPT), &maps, rows)
-        .unwrap();
+    let (a, spans) = Prefill::run(
+        &fused,
+        &ids[..PROMPT],
+        &mut fused.new_cache(PROMPT),
+        FillOptions::fill(&maps, rows),
+    )
+    .map(|f| (f.logits, f.spans))
+    .unwrap();
     assert!(
         spans.len() > 1,
         "several spans were to be chosen: {spans:?}"
@@ -462,15 +511,20 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
         "spans-adapt prefill",
         to_host_f32(a),
         to_host_f32(
-            plain
-                .prefill_fill(&ids[..PROMPT], &mut plain.new_cache(PROMPT), &maps, rows)
-                .unwrap(),
+            Prefill::run(
+                &plain,
+                &ids[..PROMPT],
+                &mut plain.new_cache(PROMPT),
+                FillOptions::fill(&maps, rows),
+            )
+            .map(|f| f.logits)
+            .unwrap(),
         ),
     );
 }
 
 /// A precision matrix of the right shape (`I·1e-2`): the update's work, not a fitted one.
-fn stand_in_precision(model: &Llama) -> Vec<f32> {
+fn stand_in_precision(model: &Decoder) -> Vec<f32> {
     let f = model.config.hidden_size + 1;
     (0..f * f)
         .map(|i| if i % (f + 1) == 0 { 1e-2 } else { 0.0 })
@@ -487,7 +541,7 @@ fn spans_rows(tail: usize, exact: f64, span: usize) -> FillRows {
 }
 
 /// A random GQA model of `layers` layers for the span tests.
-fn gqa_model(layers: usize, cpu_kernels: bool) -> Llama {
+fn gqa_model(layers: usize, cpu_kernels: bool) -> Decoder {
     let config: ridgefill::io::config::ModelConfig = serde_json::from_value(serde_json::json!({
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -495,8 +549,8 @@ fn gqa_model(layers: usize, cpu_kernels: bool) -> Llama {
         "max_position_embeddings": 1024, "tie_word_embeddings": true
     }))
     .unwrap();
-    let mut m = Llama::random(config, &Device::flex(), FloatDType::F32, 512, 3).unwrap();
-    m.cpu_kernels = cpu_kernels;
+    let mut m = Decoder::random(config, &Device::flex(), FloatDType::F32, 512, 3).unwrap();
+    m.set_cpu_kernels(cpu_kernels);
     m
 }
 
@@ -507,7 +561,7 @@ fn gqa_model(layers: usize, cpu_kernels: bool) -> Llama {
 fn exact_pass_over_every_row_equals_full_prefill() {
     common::init();
     // Longer than a prefill chunk, so both sides run their prompt-length passes in chunks.
-    const N: usize = ridgefill::model::llama::PREFILL_CHUNK + 70;
+    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
     for cpu_kernels in [true, false] {
         let model = gqa_model(4, cpu_kernels);
         let ids = prompt(N + 1, model.config.vocab_size);
@@ -522,9 +576,10 @@ fn exact_pass_over_every_row_equals_full_prefill() {
         for maps in [&plain, &adapted] {
             let rows = spans_rows(4, 1.0, N);
             let mut cache = model.new_cache(N + 1);
-            let (got, spans) = model
-                .prefill_fill_spans(&ids[..N], &mut cache, maps, rows)
-                .unwrap();
+            let (got, spans) =
+                Prefill::run(&model, &ids[..N], &mut cache, FillOptions::fill(maps, rows))
+                    .map(|f| (f.logits, f.spans))
+                    .unwrap();
             assert_eq!(spans, vec![1..N - 4]);
             let d = common::max_abs_diff(&full, &to_host_f32(got));
             assert!(
@@ -563,9 +618,14 @@ fn oracle_restoring_every_filled_slot_equals_full_prefill() {
             values,
             rows: vec![bulk.clone()],
         };
-        let (logits, spans) = model
-            .prefill_oracle(&ids, &mut model.new_cache(N), &maps, rows, &oracle)
-            .unwrap();
+        let (logits, spans) = Prefill::run(
+            &model,
+            &ids,
+            &mut model.new_cache(N),
+            FillOptions::fill(&maps, rows).with_oracle(&oracle),
+        )
+        .map(|f| (f.logits, f.spans))
+        .unwrap();
         assert!(spans.is_empty());
         common::max_abs_diff(&full, &to_host_f32(logits))
     };
@@ -638,9 +698,14 @@ fn chosen_spans_contain_a_planted_needle() {
             .collect();
         ids[at] = NEEDLE;
         let rows = spans_rows(8, 0.02, 4);
-        let (_, spans) = model
-            .prefill_fill_spans(&ids, &mut model.new_cache(N), &maps, rows)
-            .unwrap();
+        let (_, spans) = Prefill::run(
+            &model,
+            &ids,
+            &mut model.new_cache(N),
+            FillOptions::fill(&maps, rows),
+        )
+        .map(|f| (f.logits, f.spans))
+        .unwrap();
         assert!(
             spans.iter().any(|s| s.start <= at - 4 && at + 5 <= s.end),
             "needle at {at}: no span covers it ±4 in {spans:?}"
@@ -664,10 +729,10 @@ fn synthetic_block_weights_quantise_the_dense_model() {
     }))
     .unwrap();
     let build = |w: WeightFormat| {
-        Llama::random_with(config.clone(), &Device::flex(), FloatDType::F32, w, 64, 5).unwrap()
+        Decoder::random_with(config.clone(), &Device::flex(), FloatDType::F32, w, 64, 5).unwrap()
     };
     let ids = prompt(20, config.vocab_size);
-    let logits = |m: &Llama| to_host_f32(m.prefill(&ids, &mut m.new_cache(ids.len())).unwrap());
+    let logits = |m: &Decoder| to_host_f32(m.prefill(&ids, &mut m.new_cache(ids.len())).unwrap());
     let dense = build(WeightFormat::F32);
     let want = logits(&dense);
     let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -692,7 +757,7 @@ fn synthetic_block_weights_quantise_the_dense_model() {
         );
     }
     // Off the CPU kernels (another dtype) block formats fall back to dense.
-    let bf = Llama::random_with(
+    let bf = Decoder::random_with(
         config.clone(),
         &Device::flex(),
         FloatDType::F16,
@@ -706,10 +771,8 @@ fn synthetic_block_weights_quantise_the_dense_model() {
     // Exactness against the blocks' own values is `tests/native_weights.rs`'s check.
     #[cfg(feature = "wgpu")]
     {
-        let gpu = ridgefill::model::select_device(ridgefill::model::DeviceChoice::Wgpu)
-            .unwrap()
-            .device;
-        let packed = Llama::random_with(
+        let gpu = common::wgpu().device;
+        let packed = Decoder::random_with(
             config.clone(),
             &gpu,
             FloatDType::F32,
@@ -745,7 +808,7 @@ fn synthetic_block_weights_quantise_the_dense_model() {
 #[test]
 fn chunked_prefill_equals_one_pass() {
     common::init();
-    let n = ridgefill::model::llama::PREFILL_CHUNK + 137;
+    let n = ridgefill::model::decoder::PREFILL_CHUNK + 137;
     for cpu_kernels in [true, false] {
         let model = gqa_model(3, cpu_kernels);
         let ids = prompt(n, model.config.vocab_size);
@@ -818,12 +881,12 @@ fn batched_decode_equals_each_sequence_alone() {
 
 /// The models the batching tests run: dense with and without the fused kernels, and Q4_0
 /// blocks (named "Q4_0") holding `max_positions` positions, drawn from `seed`.
-fn batch_models(max_positions: usize, seed: u64) -> Vec<(String, Llama)> {
-    let mut models: Vec<(String, Llama)> = [true, false]
+fn batch_models(max_positions: usize, seed: u64) -> Vec<(String, Decoder)> {
+    let mut models: Vec<(String, Decoder)> = [true, false]
         .into_iter()
         .map(|k| (format!("dense, kernels {k}"), gqa_model(3, k)))
         .collect();
-    let q4 = Llama::random_with(
+    let q4 = Decoder::random_with(
         gqa_model(3, true).config.clone(),
         &Device::flex(),
         FloatDType::F32,
@@ -844,7 +907,7 @@ fn batch_models(max_positions: usize, seed: u64) -> Vec<(String, Llama)> {
 #[test]
 fn batched_prefill_equals_each_prompt_alone() {
     common::init();
-    let chunk = ridgefill::model::llama::PREFILL_CHUNK;
+    let chunk = ridgefill::model::decoder::PREFILL_CHUNK;
     for (name, model) in &batch_models(1024, 5) {
         let lens = if name == "Q4_0" {
             // 40 rows in all: below Q4_0's integer-kernel limit of 48.
@@ -913,26 +976,30 @@ fn batched_prefill_equals_each_prompt_alone() {
 #[test]
 fn stepwise_fill_prefill_equals_one_call() {
     common::init();
-    let n = ridgefill::model::llama::PREFILL_CHUNK + 150;
+    let n = ridgefill::model::decoder::PREFILL_CHUNK + 150;
     let model = gqa_model(4, true);
     let ids = prompt(n + 1, model.config.vocab_size);
     let maps = random_maps(&model, 2, 21);
     for rows in [spans_rows(16, 0.1, 8), spans_rows(16, 0.0, 0)] {
         let mut want_cache = model.new_cache(n + 1);
         let want = to_host_f32(
-            model
-                .prefill_fill(&ids[..n], &mut want_cache, &maps, rows)
-                .unwrap(),
+            Prefill::run(
+                &model,
+                &ids[..n],
+                &mut want_cache,
+                FillOptions::fill(&maps, rows),
+            )
+            .map(|f| f.logits)
+            .unwrap(),
         );
         let mut cache = model.new_cache(n + 1);
-        let mut st = model
-            .fill_prefill_start(&ids[..n], &cache, &maps, rows)
-            .unwrap()
-            .expect("the prompt has a bulk");
+        let mut st =
+            Prefill::start(&model, &ids[..n], &cache, FillOptions::fill(&maps, rows)).unwrap();
+        assert!(st.skips(), "the prompt has a bulk");
         let mut steps = 0;
         let got = loop {
             steps += 1;
-            if let Some(l) = model.fill_prefill_step(&mut st, &mut cache, &maps).unwrap() {
+            if let Some(l) = st.step(&mut cache).unwrap() {
                 break to_host_f32(l);
             }
         };
@@ -952,10 +1019,7 @@ fn stepwise_fill_prefill_equals_one_call() {
     }
     // A prompt without a bulk has nothing to step through.
     let cache = model.new_cache(8);
-    assert!(
-        model
-            .fill_prefill_start(&ids[..8], &cache, &maps, spans_rows(16, 0.0, 0))
-            .unwrap()
-            .is_none()
-    );
+    let rows = spans_rows(16, 0.0, 0);
+    let st = Prefill::start(&model, &ids[..8], &cache, FillOptions::fill(&maps, rows)).unwrap();
+    assert!(!st.skips());
 }

@@ -2,6 +2,7 @@
 //! to stdout; Ctrl-C stops a reply and returns to the prompt (a second press quits); `/reset`
 //! clears the history, `/exit` or end of input leaves.
 
+use ridgefill::model::fill::{FillOptions, Prefill};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 
@@ -10,8 +11,7 @@ use ridgefill::interrupt;
 use ridgefill::io::chat::ChatMessage;
 use ridgefill::model::{Sampler, to_host_f32};
 
-use super::common::{ModelArgs, load};
-use super::generate::{RowArgs, SamplingArgs, check_logits};
+use super::common::{ModelArgs, RowArgs, SamplingArgs, check_logits, load};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -127,7 +127,10 @@ pub fn run(a: Args) -> Result<()> {
         // cache, and makes that cheap).
         let mut cache = model.new_cache(ids.len() + a.n_predict);
         let logits = match &fill {
-            Some((maps, rows)) => model.prefill_fill(&ids, &mut cache, maps, *rows)?,
+            Some((maps, rows)) => {
+                Prefill::run(model, &ids, &mut cache, FillOptions::fill(maps, *rows))
+                    .map(|f| f.logits)?
+            }
             None => model.prefill(&ids, &mut cache)?,
         };
         let mut logits = to_host_f32(logits);

@@ -15,7 +15,7 @@ use ridgefill_fit::solve::{
     fit_fill_split_search, fit_fill_until,
 };
 
-use super::generate::{RowArgs, parse_share};
+use super::common::{Bar, RowArgs, WEIGHTS_HELP, parse_share, parse_weights};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -25,9 +25,7 @@ pub struct Args {
     /// auto | cpu | wgpu | vulkan | metal | cuda.
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
-    /// How GGUF weights are held: native (their block formats, read by the quantised CPU
-    /// kernels or packed for the GPU kernel) | f16 | q8 | f32 (dequantised at load).
-    #[arg(long, default_value = "native", value_parser = super::common::parse_weights)]
+    #[arg(long, default_value = "native", value_parser = parse_weights, help = WEIGHTS_HELP)]
     pub weights: WeightFormat,
     /// Calibration text: files or directories (the Brown corpus is detected and detagged).
     /// Default: the Brown corpus (`ridgefill fetch brown`).
@@ -103,30 +101,6 @@ fn parse_max_kl(s: &str) -> std::result::Result<f64, String> {
 
 /// Share of calibration windows held out to choose α.
 const HELDOUT_FRACTION: f64 = 0.1;
-
-/// A progress bar that is cleared however the command ends: success, error or Ctrl-C.
-pub struct Bar(pub indicatif::ProgressBar);
-
-impl Bar {
-    pub fn new(len: u64, template: &'static str) -> Self {
-        let bar = indicatif::ProgressBar::new(len);
-        bar.set_style(indicatif::ProgressStyle::with_template(template).expect("static template"));
-        Bar(bar)
-    }
-}
-
-impl std::ops::Deref for Bar {
-    type Target = indicatif::ProgressBar;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl Drop for Bar {
-    fn drop(&mut self) {
-        self.0.finish_and_clear();
-    }
-}
 
 /// A fit error for `main`: a stop requested by Ctrl-C becomes [`Interrupted`] (exit 130).
 fn fit_error(e: FitError) -> anyhow::Error {
@@ -421,7 +395,7 @@ fn candidate_splits(auto: &AutoSplit, layers: usize) -> Result<Vec<usize>> {
 /// Fits and measures every candidate, printing each as it is measured and the table at the end
 /// (also when none is within the budget).
 fn search(
-    model: &ridgefill::model::Llama,
+    model: &ridgefill::model::Decoder,
     stats: &[StatsFile],
     heldout_windows: &[Vec<u32>],
     opts: &FitOptions,

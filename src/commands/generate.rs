@@ -1,3 +1,4 @@
+use ridgefill::model::fill::{FillOptions, Prefill};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -5,9 +6,9 @@ use std::time::Instant;
 use anyhow::{Result, bail};
 use ridgefill::interrupt::{self, Interrupted};
 use ridgefill::io::chat::ChatMessage;
-use ridgefill::model::{Sampler, SamplerConfig, to_host_f32};
+use ridgefill::model::{Sampler, to_host_f32};
 
-use super::common::{ModelArgs, load};
+use super::common::{ModelArgs, RowArgs, SamplingArgs, check_logits, load, read_text};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -47,110 +48,10 @@ pub struct Args {
     pub rows: RowArgs,
 }
 
-/// How tokens are sampled (llama.cpp's flags and defaults).
-#[derive(clap::Args, Clone, Debug)]
-pub struct SamplingArgs {
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
-    pub temp: f32,
-    #[arg(long = "top-k", default_value_t = 40)]
-    pub top_k: usize,
-    #[arg(long = "top-p", default_value_t = 0.95)]
-    pub top_p: f32,
-    #[arg(long = "min-p", default_value_t = 0.05)]
-    pub min_p: f32,
-    /// RNG seed.
-    #[arg(short = 's', long = "seed", default_value_t = 42)]
-    pub seed: u64,
-}
-
-impl SamplingArgs {
-    pub fn config(&self) -> SamplerConfig {
-        SamplerConfig {
-            temperature: self.temp,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            seed: self.seed,
-        }
-    }
-}
-
-/// Which prompt rows run every layer under skip-and-fill, and how the fill file is applied.
-#[derive(clap::Args, Clone, Debug)]
-pub struct RowArgs {
-    /// Last prompt tokens computed exactly (skip-and-fill).
-    #[arg(long, default_value_t = 16)]
-    pub tail: usize,
-    /// First prompt tokens computed exactly: the attention sink (skip-and-fill).
-    #[arg(long, default_value_t = 1)]
-    pub sink: usize,
-    /// How the fill runs: `ridge` (maps only), `spans` (plus query-chosen exact spans),
-    /// `spans-adapt` (plus the per-prompt map update); default: what the fill file records.
-    #[arg(long, value_parser = parse_method)]
-    pub method: Option<ridgefill::model::fill::FillMethod>,
-    /// Share of the prompt's rows run exactly in query-chosen spans (default: the fill file's).
-    #[arg(long, value_parser = parse_share)]
-    pub exact: Option<f64>,
-    /// Half-width in tokens of each exact span (default: the fill file's).
-    #[arg(long)]
-    pub span: Option<usize>,
-    /// Weight of one exact row against one calibration row in the per-prompt update.
-    #[arg(long, value_parser = parse_weight)]
-    pub adapt_weight: Option<f64>,
-}
-
-pub fn parse_method(s: &str) -> std::result::Result<ridgefill::model::fill::FillMethod, String> {
-    ridgefill::model::fill::FillMethod::parse(s)
-        .ok_or_else(|| format!("expected ridge, spans or spans-adapt, found {s:?}"))
-}
-
-pub fn parse_share(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
-        _ => Err(format!("expected a share between 0 and 1, found {s:?}")),
-    }
-}
-
-fn parse_weight(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
-        _ => Err(format!("expected a positive number, found {s:?}")),
-    }
-}
-
-impl RowArgs {
-    /// The rows of plain ridge fill (no fill file's method involved).
-    pub fn rows(&self) -> ridgefill::model::fill::FillRows {
-        ridgefill::model::fill::FillRows {
-            sink: self.sink,
-            tail: self.tail,
-            ..Default::default()
-        }
-    }
-
-    /// The run-time choices, for [`ridgefill::fillfile::configure`].
-    pub fn choice(&self) -> ridgefill::fillfile::MethodChoice {
-        ridgefill::fillfile::MethodChoice {
-            method: self.method,
-            exact: self.exact,
-            span: self.span,
-            adapt_weight: self.adapt_weight,
-            sink: self.sink,
-            tail: self.tail,
-        }
-    }
-}
-
 /// Largest context used when the model advertises a longer one (memory for the preallocated cache).
 const DEFAULT_CTX_CAP: usize = 4096;
 
-/// Reads a UTF-8 text file: non-UTF-8 is an error naming the byte offset, unless `lossy`.
-pub fn read_text(path: &std::path::Path, lossy: bool) -> Result<String> {
-    Ok(ridgefill::io::text::read_text_file(path, lossy)?)
-}
-
-/// A prompt that cannot be run, or a model output that cannot be sampled from.
+/// A prompt that cannot be run.
 #[derive(Debug, thiserror::Error)]
 pub enum PromptError {
     #[error("no prompt: give -p PROMPT or -f FILE")]
@@ -173,27 +74,6 @@ pub enum PromptError {
     },
     #[error("-n {n_predict} leaves no room for the prompt in a context of {ctx}")]
     NoRoom { n_predict: usize, ctx: usize },
-    #[error(
-        "non-finite logit ({value}) for token id {token} at position {position}: the model's \
-         activations overflowed"
-    )]
-    NonFiniteLogits {
-        position: usize,
-        token: usize,
-        value: f32,
-    },
-}
-
-/// Errors unless every logit is finite; `position` is the sequence position they predict from.
-pub fn check_logits(logits: &[f32], position: usize) -> Result<(), PromptError> {
-    match logits.iter().position(|x| !x.is_finite()) {
-        Some(token) => Err(PromptError::NonFiniteLogits {
-            position,
-            token,
-            value: logits[token],
-        }),
-        None => Ok(()),
-    }
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -286,7 +166,10 @@ pub fn run(a: Args) -> Result<()> {
 
     let t0 = Instant::now();
     let logits = match &maps {
-        Some((_, maps, rows)) => model.prefill_fill(&ids, &mut cache, maps, *rows)?,
+        Some((_, maps, rows)) => {
+            Prefill::run(model, &ids, &mut cache, FillOptions::fill(maps, *rows))
+                .map(|f| f.logits)?
+        }
         None => model.prefill(&ids, &mut cache)?,
     };
     let logits = to_host_f32(logits);

@@ -8,6 +8,5 @@ pub mod generate;
 pub mod info;
 pub mod parity;
 pub mod probe;
-pub mod retrieval;
 pub mod score;
 pub mod serve;

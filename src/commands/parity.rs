@@ -4,11 +4,11 @@
 use anyhow::{Result, bail};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use ridgefill::model::fill::FillRows;
+use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
 use ridgefill::model::{DeviceChoice, FloatDType, WeightFormat, sample, to_host_f32};
+use ridgefill::session::LoadArgs;
 
-use super::bench::load_any;
-use super::common::parse_dtype;
+use super::common::{load_any, parse_dtype};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -52,7 +52,13 @@ fn run_device(
     forced: Option<&[u32]>,
 ) -> Result<(Outputs, Vec<u32>, String)> {
     let capacity = a.n_prompt + a.n_gen + 1;
-    let b = load_any(&a.model, choice, a.dtype, WeightFormat::F32, capacity)?;
+    let args = LoadArgs {
+        model: a.model.clone(),
+        device: choice,
+        dtype: a.dtype,
+        weights: WeightFormat::F32,
+    };
+    let b = load_any(&args, capacity)?;
     let m = &b.model;
     let mut cache = m.new_cache(capacity);
     let mut full = vec![to_host_f32(m.prefill(ids, &mut cache)?)];
@@ -67,14 +73,16 @@ fn run_device(
         full.push(to_host_f32(m.decode_step(next, &mut cache)?));
     }
     let fill = if a.split > 0 && a.split < m.num_layers() {
-        let maps = m.own_proj_maps(a.split)?;
+        let maps = FillMaps::own_proj(m, a.split)?;
         let mut cache = m.new_cache(capacity);
         let rows = FillRows {
             sink: 1,
             tail: FILL_TAIL,
             ..FillRows::default()
         };
-        Some(to_host_f32(m.prefill_fill(ids, &mut cache, &maps, rows)?))
+        Some(to_host_f32(
+            Prefill::run(m, ids, &mut cache, FillOptions::fill(&maps, rows)).map(|f| f.logits)?,
+        ))
     } else {
         None
     };

@@ -20,7 +20,7 @@ pub fn run(a: Args) -> Result<()> {
         println!("| device | adapter | type | driver | bandwidth GB/s | f32 FMA GFLOP/s |");
         println!("|---|---|---|---|---:|---:|");
     }
-    let threads = super::bench::flex_threads();
+    let threads = super::common::flex_threads();
     for choice in a.device {
         ridgefill::interrupt::check()?;
         let c = ridgefill::model::probe::probe(choice, threads)?;

@@ -3,8 +3,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use ridgefill::score::score_ids;
 
-use super::common::{ModelArgs, load};
-use super::generate::read_text;
+use super::common::{ModelArgs, load, read_text};
 
 #[derive(clap::Args)]
 pub struct Args {

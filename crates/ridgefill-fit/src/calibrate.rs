@@ -5,7 +5,8 @@ use ridgefill_io::fill::{FEATURE_KIND, ModelFingerprint};
 use ridgefill_io::stats::{Moments, STATS_FORMAT_VERSION, StatsFile, StatsMeta};
 use ridgefill_io::text::Document;
 use ridgefill_io::tokenizer::Tokenizer;
-use ridgefill_model::{Llama, Tensor, to_host_f32};
+use ridgefill_model::fill::{self};
+use ridgefill_model::{Decoder, Tensor, to_host_f32};
 
 use crate::{FitError, Result};
 
@@ -69,7 +70,7 @@ fn windows(
 
 /// Runs one window through the full model and adds its moments (sink rows excluded).
 pub fn accumulate_window(
-    model: &Llama,
+    model: &Decoder,
     window: &[u32],
     split: usize,
     sink: usize,
@@ -84,7 +85,7 @@ pub fn accumulate_window(
 /// `moments`: features from the hidden state entering the split, targets the K/V of layers
 /// `split..L`. Each entry ends up exactly as [`accumulate_window`] at its split leaves it.
 pub fn accumulate_window_splits(
-    model: &Llama,
+    model: &Decoder,
     window: &[u32],
     splits: &[usize],
     sink: usize,
@@ -127,7 +128,7 @@ fn check_splits(layers: usize, splits: &[usize]) -> Result<()> {
 /// capturing K/V, so the hidden state entering every split and every upper layer's K/V come
 /// out of the same forward pass.
 fn accumulate_window_at(
-    model: &Llama,
+    model: &Decoder,
     window: &[u32],
     splits: &[usize],
     sink: usize,
@@ -145,7 +146,7 @@ fn accumulate_window_at(
     for (i, &s) in splits.iter().enumerate() {
         let end = splits.get(i + 1).copied().unwrap_or(layers);
         xs.push(to_host_f32(
-            model.fill_features(h.clone()).narrow(0, sink, rows),
+            fill::features(&model, h.clone()).narrow(0, sink, rows),
         ));
         let (next, seg) = model.forward_layers_capturing(h, s..end, &mut cache, 0)?;
         h = next;
@@ -230,7 +231,7 @@ pub struct Control<'a> {
 /// One pass over `docs`: the first windows (up to `max_tokens`) feed the fit, the following
 /// documents' windows the held-out moments.
 pub fn calibrate(
-    model: &Llama,
+    model: &Decoder,
     fingerprint: ModelFingerprint,
     tok: &Tokenizer,
     docs: &[Document],
@@ -254,7 +255,7 @@ pub fn calibrate(
 
 /// [`calibrate`] with a stop hook and an early check that the text is enough for a solve.
 pub fn calibrate_with(
-    model: &Llama,
+    model: &Decoder,
     fingerprint: ModelFingerprint,
     tok: &Tokenizer,
     docs: &[Document],
@@ -298,7 +299,7 @@ pub struct SplitCalibration {
 /// is ignored. Memory grows with the candidates: split `s` keeps
 /// `(d + 1) · (L − s) · 2 · kv_dim` f64 for each of the fit and held-out sets.
 pub fn calibrate_splits_with(
-    model: &Llama,
+    model: &Decoder,
     fingerprint: ModelFingerprint,
     tok: &Tokenizer,
     docs: &[Document],
@@ -322,7 +323,7 @@ pub fn calibrate_splits_with(
 /// the remedy beyond more text, for the error when none is left.
 #[allow(clippy::too_many_arguments)]
 fn pass(
-    model: &Llama,
+    model: &Decoder,
     fingerprint: ModelFingerprint,
     tok: &Tokenizer,
     docs: &[Document],

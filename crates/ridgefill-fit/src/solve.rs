@@ -7,9 +7,9 @@ use ridgefill_io::fill::{
     AlphaTrial, FILL_FORMAT_VERSION, FillFile, FillMeta, FillMethodMeta, LayerQuality, SplitTrial,
 };
 use ridgefill_io::stats::{Moments, StatsFile};
-use ridgefill_model::eval::{Method, Skip, WindowStats, prefill_flops};
+use ridgefill_model::eval::{self, Method, Skip, WindowStats, prefill_flops};
 use ridgefill_model::fill::{FillMaps, FillMethod, FillRows};
-use ridgefill_model::{Llama, Tensor};
+use ridgefill_model::{Decoder, Tensor};
 
 use crate::{FitError, Result};
 
@@ -201,7 +201,7 @@ pub fn split_maps(w: &Mat<f64>, kv_dim: usize) -> (Vec<Vec<f32>>, Vec<Vec<f32>>)
 }
 
 /// Device maps from W.
-pub fn device_maps(model: &Llama, w: &Mat<f64>, split: usize) -> Result<FillMaps> {
+pub fn device_maps(model: &Decoder, w: &Mat<f64>, split: usize) -> Result<FillMaps> {
     let (k, v) = split_maps(w, model.config.kv_dim());
     Ok(FillMaps::from_host(
         split,
@@ -217,7 +217,7 @@ pub fn device_maps(model: &Llama, w: &Mat<f64>, split: usize) -> Result<FillMaps
 /// Device maps from W as `opts`' method applies them (with the per-prompt update from the
 /// statistics' precision at `lambda` for `spans-adapt`).
 pub fn method_maps(
-    model: &Llama,
+    model: &Decoder,
     fit: &Moments,
     w: &Mat<f64>,
     lambda: f64,
@@ -238,13 +238,13 @@ pub struct HeldoutReference {
 }
 
 impl HeldoutReference {
-    pub fn new(model: &Llama, windows: &[Vec<u32>], rows: FillRows) -> Result<Self> {
+    pub fn new(model: &Decoder, windows: &[Vec<u32>], rows: FillRows) -> Result<Self> {
         Self::new_until(model, windows, rows, &|| false)
     }
 
     /// [`HeldoutReference::new`], polling `stop` between windows ([`FitError::Stopped`]).
     pub fn new_until(
-        model: &Llama,
+        model: &Decoder,
         windows: &[Vec<u32>],
         rows: FillRows,
         stop: &dyn Fn() -> bool,
@@ -260,7 +260,7 @@ impl HeldoutReference {
                 continue;
             }
             let (prefix, cont) = w.split_at(w.len() - cont);
-            let reference = model.continuation_logp(prefix, cont, Method::Full)?;
+            let reference = eval::continuation_logp(model, prefix, cont, Method::Full)?;
             out.push((prefix.to_vec(), cont.to_vec(), reference));
         }
         Ok(Self { windows: out })
@@ -276,14 +276,14 @@ impl HeldoutReference {
     }
 
     /// Mean per-token KL(full ‖ fill) over the held-out continuations.
-    pub fn kl(&self, model: &Llama, maps: &FillMaps, rows: FillRows) -> Result<f64> {
+    pub fn kl(&self, model: &Decoder, maps: &FillMaps, rows: FillRows) -> Result<f64> {
         self.kl_until(model, maps, rows, &|| false)
     }
 
     /// [`HeldoutReference::kl`], polling `stop` between windows ([`FitError::Stopped`]).
     pub fn kl_until(
         &self,
-        model: &Llama,
+        model: &Decoder,
         maps: &FillMaps,
         rows: FillRows,
         stop: &dyn Fn() -> bool,
@@ -295,7 +295,7 @@ impl HeldoutReference {
     /// `stop` between windows ([`FitError::Stopped`]).
     pub fn measure_until(
         &self,
-        model: &Llama,
+        model: &Decoder,
         maps: &FillMaps,
         rows: FillRows,
         stop: &dyn Fn() -> bool,
@@ -305,8 +305,8 @@ impl HeldoutReference {
             if stop() {
                 return Err(FitError::Stopped);
             }
-            let logp = model.continuation_logp(prefix, cont, Method::Fill(maps, rows))?;
-            total.add(&model.compare_logp(logp, reference.clone(), cont));
+            let logp = eval::continuation_logp(model, prefix, cont, Method::Fill(maps, rows))?;
+            total.add(&eval::compare_logp(model, logp, reference.clone(), cont));
         }
         Ok(HeldoutFidelity(total))
     }
@@ -330,7 +330,7 @@ impl HeldoutFidelity {
 
 /// Solves (choosing α when asked), measures held-out quality, and assembles the fill file.
 pub fn fit_fill(
-    model: &Llama,
+    model: &Decoder,
     stats: &StatsFile,
     heldout_windows: &[Vec<u32>],
     opts: &FitOptions,
@@ -341,7 +341,7 @@ pub fn fit_fill(
 /// [`fit_fill`], polling `stop` between held-out windows and α trials: when it returns true the
 /// fit ends with [`FitError::Stopped`].
 pub fn fit_fill_until(
-    model: &Llama,
+    model: &Decoder,
     stats: &StatsFile,
     heldout_windows: &[Vec<u32>],
     opts: &FitOptions,
@@ -363,7 +363,7 @@ pub fn fit_fill_until(
 /// [`fit_fill_until`] against a held-out reference already computed; also returns the held-out
 /// fidelity at the chosen α (`None` when the reference is empty).
 fn fit_with_reference(
-    model: &Llama,
+    model: &Decoder,
     stats: &StatsFile,
     reference: &HeldoutReference,
     opts: &FitOptions,
@@ -526,7 +526,7 @@ pub enum SplitEvent<'a> {
 /// Fails with [`FitError::NoSplitWithinBudget`] (carrying every trial) when no candidate is
 /// within the budget. `stop` is polled between held-out windows, α trials and candidates.
 pub fn fit_fill_split_search(
-    model: &Llama,
+    model: &Decoder,
     stats: &[StatsFile],
     heldout_windows: &[Vec<u32>],
     opts: &FitOptions,

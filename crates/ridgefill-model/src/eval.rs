@@ -4,9 +4,10 @@
 use burn::tensor::{FloatDType, Int, Tensor, TensorData, activation};
 use ridgefill_io::config::ModelConfig;
 
+use crate::decoder::Decoder;
 use crate::error::Result;
 use crate::fill::{FillMaps, FillRows};
-use crate::llama::Llama;
+use crate::fill::{FillOptions, Prefill};
 
 /// How the prefix is prefilled.
 #[derive(Clone, Copy)]
@@ -37,98 +38,104 @@ impl WindowStats {
     }
 }
 
-impl Llama {
-    /// Prefills `tokens` into an empty cache by `method`; returns last-position logits.
-    ///
-    /// # Shapes
-    /// - tokens: `[n]` → `[vocab]`
-    pub fn prefill_with(
-        &self,
-        tokens: &[u32],
-        cache: &mut crate::KvCache,
-        method: Method,
-    ) -> Result<Tensor<1>> {
-        Ok(self.prefill_with_spans(tokens, cache, method)?.0)
-    }
+/// Prefills `tokens` into an empty cache by `method`; returns last-position logits.
+///
+/// # Shapes
+/// - tokens: `[n]` → `[vocab]`
+pub fn prefill_with(
+    model: &Decoder,
+    tokens: &[u32],
+    cache: &mut crate::KvCache,
+    method: Method,
+) -> Result<Tensor<1>> {
+    Ok(prefill_with_spans(model, tokens, cache, method)?.0)
+}
 
-    /// [`Llama::prefill_with`], also returning the bulk spans that ran exactly (none unless
-    /// `method` fills with chosen spans).
-    ///
-    /// # Shapes
-    /// - tokens: `[n]` → `[vocab]`
-    pub fn prefill_with_spans(
-        &self,
-        tokens: &[u32],
-        cache: &mut crate::KvCache,
-        method: Method,
-    ) -> Result<(Tensor<1>, Vec<std::ops::Range<usize>>)> {
-        match method {
-            Method::Full => Ok((self.prefill(tokens, cache)?, Vec::new())),
-            Method::Fill(maps, rows) => self.prefill_fill_spans(tokens, cache, maps, rows),
-            Method::Drop(split, rows) => Ok((
-                self.prefill_skip(tokens, cache, split, None, rows)?,
-                Vec::new(),
-            )),
+/// [`prefill_with`], also returning the bulk spans that ran exactly (none unless
+/// `method` fills with chosen spans).
+///
+/// # Shapes
+/// - tokens: `[n]` → `[vocab]`
+pub fn prefill_with_spans(
+    model: &Decoder,
+    tokens: &[u32],
+    cache: &mut crate::KvCache,
+    method: Method,
+) -> Result<(Tensor<1>, Vec<std::ops::Range<usize>>)> {
+    match method {
+        Method::Full => Ok((model.prefill(tokens, cache)?, Vec::new())),
+        Method::Fill(maps, rows) => {
+            let f = Prefill::run(model, tokens, cache, FillOptions::fill(maps, rows))?;
+            Ok((f.logits, f.spans))
+        }
+        Method::Drop(split, rows) => {
+            let f = Prefill::run(model, tokens, cache, FillOptions::drop(split, rows))?;
+            Ok((f.logits, f.spans))
         }
     }
+}
 
-    /// Log-probabilities predicting each continuation token, continuing a `cache` prefilled
-    /// with the prompt whose last-position logits are `last`.
-    ///
-    /// # Shapes
-    /// - last: `[vocab]`, cont: `[c]` → `[c, vocab]`
-    pub fn continue_logp(
-        &self,
-        last: Tensor<1>,
-        cont: &[u32],
-        cache: &mut crate::KvCache,
-    ) -> Result<Tensor<2>> {
-        let vocab = self.config.vocab_size;
-        let mut parts = vec![last.reshape([1, vocab])];
-        if cont.len() > 1 {
-            parts.push(self.forward_all_logits(&cont[..cont.len() - 1], cache)?);
-        }
-        Ok(activation::log_softmax(
-            Tensor::cat(parts, 0).cast(FloatDType::F32),
-            1,
-        ))
+/// Log-probabilities predicting each continuation token, continuing a `cache` prefilled
+/// with the prompt whose last-position logits are `last`.
+///
+/// # Shapes
+/// - last: `[vocab]`, cont: `[c]` → `[c, vocab]`
+pub fn continue_logp(
+    model: &Decoder,
+    last: Tensor<1>,
+    cont: &[u32],
+    cache: &mut crate::KvCache,
+) -> Result<Tensor<2>> {
+    let vocab = model.config.vocab_size;
+    let mut parts = vec![last.reshape([1, vocab])];
+    if cont.len() > 1 {
+        parts.push(model.forward_all_logits(&cont[..cont.len() - 1], cache)?);
     }
+    Ok(activation::log_softmax(
+        Tensor::cat(parts, 0).cast(FloatDType::F32),
+        1,
+    ))
+}
 
-    /// Log-probabilities predicting each continuation token after prefilling `prefix` by `method`.
-    ///
-    /// # Shapes
-    /// - prefix: `[p]`, cont: `[c]` → `[c, vocab]`
-    pub fn continuation_logp(
-        &self,
-        prefix: &[u32],
-        cont: &[u32],
-        method: Method,
-    ) -> Result<Tensor<2>> {
-        let mut cache = self.new_cache(prefix.len() + cont.len());
-        let last = self.prefill_with(prefix, &mut cache, method)?;
-        self.continue_logp(last, cont, &mut cache)
-    }
+/// Log-probabilities predicting each continuation token after prefilling `prefix` by `method`.
+///
+/// # Shapes
+/// - prefix: `[p]`, cont: `[c]` → `[c, vocab]`
+pub fn continuation_logp(
+    model: &Decoder,
+    prefix: &[u32],
+    cont: &[u32],
+    method: Method,
+) -> Result<Tensor<2>> {
+    let mut cache = model.new_cache(prefix.len() + cont.len());
+    let last = prefill_with(model, prefix, &mut cache, method)?;
+    continue_logp(model, last, cont, &mut cache)
+}
 
-    /// NLL of `cont`, KL(reference ‖ method) and top-1 agreement, on the host.
-    ///
-    /// # Shapes
-    /// - logp, reference: `[c, vocab]`, cont: `[c]`
-    pub fn compare_logp(&self, logp: Tensor<2>, reference: Tensor<2>, cont: &[u32]) -> WindowStats {
-        let c = cont.len();
-        let targets: Vec<i32> = cont.iter().map(|&t| t as i32).collect();
-        let targets = Tensor::<2, Int>::from_data(TensorData::new(targets, [c, 1]), &self.device);
-        let nll = crate::to_host_f32(logp.clone().gather(1, targets).neg());
-        let kl = crate::to_host_f32(
-            (reference.clone().exp() * (reference.clone() - logp.clone())).sum_dim(1),
-        );
-        let a = crate::to_host_f32(logp.argmax(1).float());
-        let b = crate::to_host_f32(reference.argmax(1).float());
-        WindowStats {
-            tokens: c,
-            nll: nll.iter().map(|&x| x as f64).sum(),
-            kl: kl.iter().map(|&x| x as f64).sum(),
-            top1: a.iter().zip(&b).filter(|(x, y)| x == y).count(),
-        }
+/// NLL of `cont`, KL(reference ‖ method) and top-1 agreement, on the host.
+///
+/// # Shapes
+/// - logp, reference: `[c, vocab]`, cont: `[c]`
+pub fn compare_logp(
+    model: &Decoder,
+    logp: Tensor<2>,
+    reference: Tensor<2>,
+    cont: &[u32],
+) -> WindowStats {
+    let c = cont.len();
+    let targets: Vec<i32> = cont.iter().map(|&t| t as i32).collect();
+    let targets = Tensor::<2, Int>::from_data(TensorData::new(targets, [c, 1]), &model.device);
+    let nll = crate::to_host_f32(logp.clone().gather(1, targets).neg());
+    let kl = crate::to_host_f32(
+        (reference.clone().exp() * (reference.clone() - logp.clone())).sum_dim(1),
+    );
+    let a = crate::to_host_f32(logp.argmax(1).float());
+    let b = crate::to_host_f32(reference.argmax(1).float());
+    WindowStats {
+        tokens: c,
+        nll: nll.iter().map(|&x| x as f64).sum(),
+        kl: kl.iter().map(|&x| x as f64).sum(),
+        top1: a.iter().zip(&b).filter(|(x, y)| x == y).count(),
     }
 }
 

@@ -11,13 +11,11 @@
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
-use burn::tensor::{DType, FloatDType, Shape, Tensor};
+use burn::tensor::{DType, FloatDType, Int, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-
-use crate::packed::PackedWeight;
 
 /// Units sharing one output feature (a warp / subgroup on most GPUs).
 const WIDTH: u32 = 32;
@@ -42,7 +40,7 @@ fn packed_meta(
 /// The backend operation behind [`packed_matmul`].
 #[backend_extension(Cube, Fusion)]
 pub trait PackedOps: Backend {
-    /// `x · Wᵀ` for packed `W` (`[rows, k]` codes, see [`PackedWeight`]).
+    /// `x · Wᵀ` for packed `W` (`[rows, k]` codes, see `crate::packed::PackedWeight`).
     #[fusion(meta = packed_meta)]
     fn packed_matmul(
         x: FloatTensor<Self>,
@@ -196,11 +194,23 @@ mod kernel {
     }
 }
 
+/// A packed weight's codes and scales as the kernel reads them (`crate::packed` holds them).
+pub struct PackedCodes<'a> {
+    /// `bits`-wide codes, `32 / bits` to a word, row-major `[rows, cols]`.
+    pub words: &'a Tensor<1, Int>,
+    /// One scale and one offset per `group` codes.
+    pub scales: &'a Tensor<1>,
+    pub mins: &'a Tensor<1>,
+    pub rows: usize,
+    pub bits: u32,
+    pub group: usize,
+}
+
 /// `x · Wᵀ` for a packed weight on a GPU device.
 ///
 /// # Shapes
-/// - x: `[m, w.cols]` → `[m, w.rows]`, in x's dtype
-pub fn packed_matmul(x: Tensor<2>, w: &PackedWeight) -> Tensor<2> {
+/// - x: `[m, cols]` → `[m, w.rows]`, in x's dtype
+pub fn packed_matmul(x: Tensor<2>, w: PackedCodes) -> Tensor<2> {
     let dtype = x.dtype();
     let x = if dtype == DType::F32 {
         x

@@ -1,20 +1,18 @@
-//! Backend-free Llama-family models on burn 0.22: the `Device` picks the backend at run time.
+//! Backend-free decoder-only models on burn 0.22: the `Device` picks the backend at run time.
 //!
 //! The model owns only weights; the KV cache and positions live outside it ([`KvCache`]), so one
 //! loaded model serves full prefill, skip-and-fill prefill, decode and scoring alike.
 
-#[cfg(all(target_arch = "x86_64", feature = "flex"))]
-mod attn_x86;
 pub mod cache;
 #[cfg(feature = "flex")]
 pub mod cpu;
+pub mod decoder;
 pub mod device;
 pub mod error;
 pub mod eval;
 pub mod fill;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod gpu;
-pub mod llama;
 pub mod packed;
 pub mod probe;
 pub mod rope;
@@ -24,9 +22,9 @@ pub mod weight;
 
 pub use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 pub use cache::KvCache;
+pub use decoder::{Decoder, LoadOptions};
 pub use device::{DeviceChoice, DeviceInfo, select_device};
 pub use error::{ModelError, Result};
-pub use llama::Llama;
 pub use sample::{Sampler, SamplerConfig};
 pub use weight::{Weight, WeightFormat};
 

@@ -123,7 +123,17 @@ impl PackedWeight {
             return x.matmul(self.dense().cast(dtype));
         }
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        return crate::gpu::packed_matmul(x, self);
+        return crate::gpu::packed_matmul(
+            x,
+            crate::gpu::PackedCodes {
+                words: &self.words,
+                scales: &self.scales,
+                mins: &self.mins,
+                rows: self.rows,
+                bits: self.bits,
+                group: self.group,
+            },
+        );
         #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
         {
             let _ = x;

@@ -9,8 +9,8 @@ use ridgefill_io::GgmlType;
 use ridgefill_io::config::ModelConfig;
 use ridgefill_quant::{QMatrix, QWeight, SimdLevel, WeightBytes};
 
+use crate::decoder::{Block, Decoder, ExecPath, Parts};
 use crate::error::{ModelError, Result};
-use crate::llama::{Llama, LlamaLayer};
 use crate::weight::{Weight, WeightFormat};
 
 /// Model names accepted after `synthetic:`.
@@ -217,7 +217,7 @@ impl Gen<'_> {
     }
 }
 
-impl Llama {
+impl Decoder {
     /// A model of `config`'s shape with seeded random weights, built directly on `device`.
     pub fn random(
         config: ModelConfig,
@@ -236,7 +236,7 @@ impl Llama {
         )
     }
 
-    /// [`Llama::random`] with weights held as `weights` says ([`block_type`]) where the
+    /// [`Decoder::random`] with weights held as `weights` says ([`block_type`]) where the
     /// quantised CPU kernels run or packed on a GPU (not f16), dense elsewhere. Block weights
     /// are the dense model's values quantised, with the tied head's `1/√hidden` moved into the
     /// final norm.
@@ -248,7 +248,7 @@ impl Llama {
         max_positions: usize,
         seed: u64,
     ) -> Result<Self> {
-        let cpu_kernels = crate::llama::cpu_kernels_apply(device, dtype)?;
+        let cpu_kernels = crate::decoder::cpu_kernels_apply(device, dtype)?;
         // Blocks run on the CPU kernels (f32 activations) or packed on a GPU.
         let gpu = !crate::device::is_flex(device);
         let packs = |t: &GgmlType| ridgefill_io::quant::scaled_int_shape(*t).is_some();
@@ -264,23 +264,24 @@ impl Llama {
         let hd = config.head_dim();
         // The base tensors first, in the same order as always, so a Llama config's weights do
         // not depend on the switches other families add.
-        let mut layers: Vec<LlamaLayer> = (0..config.num_hidden_layers)
+        let mut layers: Vec<Block> = (0..config.num_hidden_layers)
             .map(|l| {
-                Ok(LlamaLayer {
-                    input_layernorm: g.norm(d),
+                Ok(Block {
+                    pre_attn_norm: g.norm(d),
                     qkv_proj: g.weight(d, q_dim + 2 * kv_dim, d, ty)?,
                     qkv_bias: None,
                     q_norm: None,
                     k_norm: None,
                     o_proj: g.weight(q_dim, d, q_dim, ty)?,
                     o_bias: None,
-                    post_attention_layernorm: g.norm(d),
-                    pre_feedforward_layernorm: None,
-                    post_feedforward_layernorm: None,
+                    post_attn_norm: None,
+                    pre_mlp_norm: g.norm(d),
+                    post_mlp_norm: None,
                     gate_up_proj: g.weight(d, 2 * ff, d, ty)?,
                     down_proj: g.weight(ff, d, ff, ty)?,
                     window: config.layer_window(l),
                     local_rope: config.layer_uses_local_rope(l),
+                    path: ExecPath::Generic,
                 })
             })
             .collect::<Result<_>>()?;
@@ -318,27 +319,27 @@ impl Llama {
                 layer.k_norm = Some(g.norm(hd));
             }
             if config.sandwich_norms {
-                layer.pre_feedforward_layernorm = Some(g.norm(d));
-                layer.post_feedforward_layernorm = Some(g.norm(d));
+                // Drawn in the order of the HF keys: the base draw (`post_attention_layernorm`)
+                // norms the attention output here, then the MLP's pre- and post-norms.
+                layer.post_attn_norm = Some(std::mem::replace(&mut layer.pre_mlp_norm, g.norm(d)));
+                layer.post_mlp_norm = Some(g.norm(d));
             }
         }
         if !config.tie_word_embeddings {
             lm_head = g.weight(d, config.vocab_size, d, ty)?;
         }
-        let (rope, rope_local) =
-            crate::llama::ropes(&config, None, max_positions.max(1), dtype, device);
-        Ok(Self {
-            config,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            rope,
-            rope_local,
-            device: device.clone(),
+        Decoder::assemble(
+            Parts {
+                config,
+                embed_tokens,
+                layers,
+                norm,
+                lm_head,
+                divisors: None,
+                max_positions,
+            },
+            device,
             dtype,
-            cpu_kernels,
-            kv_dtype: crate::llama::kv_dtype(cpu_kernels, dtype)?,
-        })
+        )
     }
 }

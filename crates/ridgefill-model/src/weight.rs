@@ -117,6 +117,33 @@ impl Weight {
         }
     }
 
+    /// `x · w` by the kernel that holds this weight: the quantised CPU kernels for blocks, the
+    /// packed-weight kernel on a GPU, and for dense weights the flex GEMM without burn-flex's
+    /// extra output passes when `cpu_kernels` (else burn's matmul).
+    ///
+    /// # Shapes
+    /// - x: `[m, k]`, w: `[k, n]` → `[m, n]`
+    pub fn matmul(&self, x: Tensor<2>, cpu_kernels: bool) -> Tensor<2> {
+        match self {
+            Weight::Dense(w) => dense_matmul(x, w, None, cpu_kernels),
+            Weight::Blocks(q) => block_matmul(x, q, None),
+            Weight::Packed(p) => p.matmul(x),
+        }
+    }
+
+    /// [`Weight::matmul`] added to a residual stream (fused into the kernel's output pass on
+    /// the CPU).
+    ///
+    /// # Shapes
+    /// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
+    pub fn matmul_add(&self, x: Tensor<2>, residual: Tensor<2>, cpu_kernels: bool) -> Tensor<2> {
+        match self {
+            Weight::Dense(w) => dense_matmul(x, w, Some(residual), cpu_kernels),
+            Weight::Blocks(q) => block_matmul(x, q, Some(residual)),
+            Weight::Packed(p) => residual + p.matmul(x),
+        }
+    }
+
     /// Bytes the weight keeps resident (mapped file pages for block weights).
     pub fn resident_bytes(&self) -> usize {
         match self {
@@ -153,5 +180,46 @@ impl Weight {
         let n = ids.len();
         let ids = Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(ids, [n]), device);
         table.select(0, ids)
+    }
+}
+
+/// `x · w` (plus `residual`) for a dense `[k, n]` tensor: the flex GEMM when `cpu_kernels` and
+/// the dtypes agree, else burn's matmul.
+///
+/// # Shapes
+/// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
+pub fn dense_matmul(
+    x: Tensor<2>,
+    w: &Tensor<2>,
+    residual: Option<Tensor<2>>,
+    cpu_kernels: bool,
+) -> Tensor<2> {
+    #[cfg(feature = "flex")]
+    if cpu_kernels && w.dtype() == x.dtype() {
+        return match residual {
+            Some(r) => crate::cpu::matmul_add(x, w, r),
+            None => crate::cpu::matmul(x, w),
+        };
+    }
+    let _ = cpu_kernels;
+    let y = x.matmul(w.clone());
+    match residual {
+        Some(r) => r + y,
+        None => y,
+    }
+}
+
+/// `x · Wᵀ` (plus `residual`) through the quantised CPU kernels; block weights are only loaded
+/// for flex.
+///
+/// # Shapes
+/// - x: `[m, k]`, w: `[n, k]` blocks, residual: `[m, n]` → `[m, n]`
+fn block_matmul(x: Tensor<2>, w: &QWeight, residual: Option<Tensor<2>>) -> Tensor<2> {
+    #[cfg(feature = "flex")]
+    return crate::cpu::qmatmul(x, w, residual);
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = (x, w, residual);
+        unreachable!("block weights are loaded only for the flex device")
     }
 }

@@ -2,7 +2,7 @@
 //! sequences. Between decode steps it admits queued requests and prefills one chunk of one
 //! prompt (skip-and-fill too), so a long prompt delays the running streams by at most one chunk
 //! per step; every
-//! sequence that is decoding advances in one batched step ([`Llama::decode_batch`]).
+//! sequence that is decoding advances in one batched step ([`Decoder::decode_batch`](ridgefill::model::Decoder::decode_batch)).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -10,9 +10,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
-use ridgefill::model::fill::{FillMaps, FillPrefill, FillRows};
-use ridgefill::model::llama::{Llama, PREFILL_CHUNK};
+use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
 use ridgefill::model::sample::sample_rows;
+use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK};
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -84,11 +84,11 @@ struct Seq<'t> {
     /// Set once the sequence is complete (`stop` or `length`).
     done_reason: Option<&'static str>,
     /// A skip-and-fill prefill in progress.
-    fill_state: Option<FillPrefill>,
+    fill_state: Option<Prefill<'t>>,
 }
 
 pub struct Engine<'m> {
-    pub model: &'m Llama,
+    pub model: &'m Decoder,
     pub tokenizer: &'m Tokenizer,
     pub fill: Option<&'m Fill>,
     pub parallel: usize,
@@ -224,15 +224,15 @@ impl<'m> Engine<'m> {
         let started = *s.prefill_started.get_or_insert_with(Instant::now);
         let n = s.job.prompt.len();
         if let (true, Some(f), None) = (s.filled, self.fill, &s.fill_state) {
-            s.fill_state =
-                self.model
-                    .fill_prefill_start(&s.job.prompt, &s.cache, &f.maps, f.rows)?;
+            let opts = FillOptions::fill(&f.maps, f.rows);
+            let p = Prefill::start(self.model, &s.job.prompt, &s.cache, opts)?;
             // Too short to have a bulk: every row runs every layer, as full prefill.
-            s.filled = s.fill_state.is_some();
+            s.filled = p.skips();
+            s.fill_state = s.filled.then_some(p);
         }
-        let logits = match (&mut s.fill_state, self.fill) {
-            (Some(st), Some(f)) => {
-                let l = self.model.fill_prefill_step(st, &mut s.cache, &f.maps)?;
+        let logits = match &mut s.fill_state {
+            Some(st) => {
+                let l = st.step(&mut s.cache)?;
                 if l.is_some() {
                     s.prefilled = n;
                     s.fill_state = None;

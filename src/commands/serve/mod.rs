@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{Context, Result};
 
-use super::common::{ModelArgs, load};
-use super::generate::RowArgs;
+use super::common::{ModelArgs, RowArgs, load};
 use metrics::Metrics;
 
 #[derive(clap::Args)]

@@ -1,15 +1,17 @@
 //! AVX-512 decode attention for one GQA group: the query heads that share a K/V head are scored
 //! against each key while its row is in L1, and weighted with each value row read once.
 //!
-//! Written by hand because the portable loops in `cpu.rs` leave a horizontal sum per key and
+//! Written by hand because the portable loops in `cpu/attention/mod.rs` leave a horizontal sum per key and
 //! head: the compiler vectorised `dot_scores` two floats wide without FMA, and it was 16% of an
-//! eight-sequence decode step (docs/BENCHMARKS.md). Here sixteen keys' partial sums are reduced
+//! eight-sequence decode step (docs/history/BENCHMARKS-history.md). Here sixteen keys' partial sums are reduced
 //! together by a shuffle tree (about three instructions per key). K and V are read as f32 or
 //! as f16 (the fused path's cache), widened in registers.
 
 use std::arch::x86_64::*;
 
 use half::f16;
+
+use crate::cpu::simd::{Width, softmax_rows};
 
 /// A cached K/V element type: f32, or f16 widened on load.
 pub trait KvElem: Copy {
@@ -56,7 +58,7 @@ const LINE: usize = 64;
 pub fn available(hd: usize) -> bool {
     matches!(hd / W, 4 | 8 | 16)
         && hd.is_multiple_of(W)
-        && std::arch::is_x86_feature_detected!("avx512f")
+        && Width::current() == Width::Avx512
         && std::arch::is_x86_feature_detected!("f16c")
 }
 
@@ -110,7 +112,7 @@ unsafe fn run<E: KvElem, const D: usize>(
         for (h, q) in qs.iter().enumerate() {
             let row = &mut scores[h * n..][..n];
             scores_of::<E, D>(q.as_ptr(), ks, k_row, vs, v_row, scale, row, h == 0);
-            crate::cpu::softmax_rows(row, n, &[n]);
+            softmax_rows(row, n, &[n]);
         }
         match VALUE_REGS / D {
             4 => weigh::<E, D, 4>(scores, n, vs, v_row, outs),

@@ -1,22 +1,23 @@
 //! `ridgefill eval`: how closely each prefill method tracks full prefill, on text (NLL, KL, top-1)
-//! or on retrieval tasks (see [`super::retrieval`]).
+//! or on retrieval tasks (see [`retrieval`]). Imports run one way: this file uses [`methods`],
+//! [`tasks`] and [`retrieval`]; `retrieval` uses `methods` and `tasks`; those two use neither.
+
+mod methods;
+mod retrieval;
+mod tasks;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::Result;
-use ridgefill::fillfile::{MethodChoice, configure};
 use ridgefill::interrupt;
-use ridgefill::io::config::ModelConfig;
-use ridgefill::io::fill::FillFile;
 use ridgefill::io::text::collect_documents;
-use ridgefill::model::Llama;
-use ridgefill::model::eval::{Method, Skip, WindowStats, prefill_flops};
-use ridgefill::model::fill::{FillMaps, FillMethod, FillRows};
+use ridgefill::model::eval::{self, Method, WindowStats};
+use ridgefill::model::fill::FillRows;
 
-use super::common::{ModelArgs, load};
-use super::generate::RowArgs;
-use super::retrieval::{self, Task};
+use super::common::{Bar, ModelArgs, RowArgs, load};
+use methods::{EvalMethod, Header, Runner, prepare};
+use tasks::{Prose, Spec, Task};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -102,152 +103,6 @@ impl Args {
     }
 }
 
-/// A prefill method `eval` compares against full prefill.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EvalMethod {
-    /// Every row through every layer: the reference.
-    Full,
-    /// The fill file's shipped method, as the row flags configure it.
-    Fill,
-    /// The same maps, every bulk row filled: no spans, no per-prompt update.
-    Ridge,
-    /// The same maps plus query-chosen exact spans, without the per-prompt update.
-    Spans,
-    /// The bulk rows never enter the upper layers: the floor any fill must beat.
-    Drop,
-    /// Training-free maps from each upper layer's own K/V projection.
-    OwnProj,
-}
-
-impl EvalMethod {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Full => "full",
-            Self::Fill => "fill",
-            Self::Ridge => "ridge",
-            Self::Spans => "spans",
-            Self::Drop => "drop",
-            Self::OwnProj => "own-proj",
-        }
-    }
-}
-
-/// A method ready to run: its maps (when it fills) and the rows it runs exactly.
-pub struct Runner {
-    pub method: EvalMethod,
-    maps: Option<FillMaps>,
-    pub rows: FillRows,
-    split: usize,
-}
-
-impl Runner {
-    pub fn name(&self) -> &'static str {
-        self.method.name()
-    }
-
-    /// The fill maps, for a method that fills.
-    pub fn maps(&self) -> Option<&FillMaps> {
-        self.maps.as_ref()
-    }
-
-    /// The engine's view of this method.
-    pub fn prefill(&self) -> Method<'_> {
-        match (self.method, &self.maps) {
-            (EvalMethod::Full, _) => Method::Full,
-            (_, Some(maps)) => Method::Fill(maps, self.rows),
-            (_, None) => Method::Drop(self.split, self.rows),
-        }
-    }
-
-    /// Prefill FLOPs of an `n`-token prompt against full prefill's.
-    pub fn flops_ratio(&self, cfg: &ModelConfig, n: usize) -> f64 {
-        self.flops_ratio_with(cfg, n, false)
-    }
-
-    /// [`Runner::flops_ratio`], with sliding-window layers' unread rows filled too when
-    /// `fill_unread` (what leaving them out saves).
-    pub fn flops_ratio_with(&self, cfg: &ModelConfig, n: usize, fill_unread: bool) -> f64 {
-        let skip = match self.method {
-            EvalMethod::Full => None,
-            _ => Some(Skip {
-                split: self.split,
-                rows: self.rows,
-                filled: self.maps.is_some(),
-                adapt: self.maps.as_ref().is_some_and(|m| m.adapt.is_some()),
-                fill_unread,
-            }),
-        };
-        prefill_flops(cfg, n, skip) / prefill_flops(cfg, n, None)
-    }
-}
-
-/// Which method `fill` stands for, for the report.
-#[derive(Clone, Copy, Debug)]
-pub struct FillSummary {
-    pub method: FillMethod,
-    pub exact: f64,
-    pub span: usize,
-}
-
-impl FillSummary {
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::json!({"name": self.method.name(), "exact": self.exact, "span": self.span})
-    }
-
-    pub fn describe(&self) -> String {
-        format!(
-            "fill = {} (exact share {}, span ±{})",
-            self.method, self.exact, self.span
-        )
-    }
-}
-
-/// The runners of `list` (full first) and what `fill` is.
-fn prepare(
-    model: &Llama,
-    file: &FillFile,
-    maps: &FillMaps,
-    rows: &RowArgs,
-    list: &[EvalMethod],
-) -> Result<(Vec<Runner>, FillSummary)> {
-    let split = file.meta.split;
-    let choice = rows.choice();
-    // The shipped method is configured even when not run: the report names it.
-    let (fill_method, _, fill_rows) = configure(file, maps, &choice)?;
-    let summary = FillSummary {
-        method: fill_method,
-        exact: fill_rows.exact,
-        span: fill_rows.span,
-    };
-    // Ridge and spans: the same flags, with the method fixed.
-    let variant = |method| MethodChoice {
-        method: Some(method),
-        ..choice.clone()
-    };
-    let mut runners = Vec::with_capacity(list.len());
-    for &method in list {
-        let (maps, rows) = match method {
-            EvalMethod::Full | EvalMethod::Drop => (None, rows.rows()),
-            EvalMethod::OwnProj => (Some(model.own_proj_maps(split)?), rows.rows()),
-            EvalMethod::Fill => fitted(configure(file, maps, &choice)?),
-            EvalMethod::Ridge => fitted(configure(file, maps, &variant(FillMethod::Ridge))?),
-            EvalMethod::Spans => fitted(configure(file, maps, &variant(FillMethod::Spans))?),
-        };
-        runners.push(Runner {
-            method,
-            maps,
-            rows,
-            split,
-        });
-    }
-    Ok((runners, summary))
-}
-
-/// The maps and rows of a configured fill method.
-fn fitted((_, maps, rows): (FillMethod, FillMaps, FillRows)) -> (Option<FillMaps>, FillRows) {
-    (Some(maps), rows)
-}
-
 /// The longest RoPE table `eval` builds: beyond any supported model's context, and it keeps an
 /// absurd `--lengths` from allocating before the context check below rejects it.
 const MAX_LOAD_POSITIONS: usize = 1 << 17;
@@ -305,7 +160,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         check_bulk(plain, "prompt", shortest)?;
         let longest = a.lengths.iter().copied().max().unwrap_or(0);
-        (longest, retrieval::ANSWER_TOKENS)
+        (longest, tasks::ANSWER_TOKENS)
     };
     let needed = asked + reserved;
     let loaded = load(&a.model.load_args(), needed.min(MAX_LOAD_POSITIONS))?;
@@ -349,9 +204,9 @@ pub fn run(a: Args) -> Result<()> {
         let prose = tasks
             .iter()
             .any(|t| t.needs_prose())
-            .then(|| retrieval::Prose::load(&a.text, a.lossy, asked))
+            .then(|| Prose::load(&a.text, a.lossy, asked))
             .transpose()?;
-        let spec = retrieval::Spec {
+        let spec = Spec {
             tasks: &tasks,
             lengths: &a.lengths,
             prose: prose.as_ref(),
@@ -374,25 +229,6 @@ fn check_bulk(rows: FillRows, what: &'static str, len: usize) -> Result<(), Eval
             what,
             len,
         }),
-    }
-}
-
-/// What every report states: the split, the exact rows, and which method `fill` is.
-pub struct Header {
-    pub split: usize,
-    pub rows: FillRows,
-    pub fill: FillSummary,
-}
-
-impl Header {
-    pub fn describe(&self) -> String {
-        format!(
-            "split {} | sink {} tail {} | {}",
-            self.split,
-            self.rows.sink,
-            self.rows.tail,
-            self.fill.describe()
-        )
     }
 }
 
@@ -420,20 +256,20 @@ fn text(
         return Err(EvalError::NoWindow(len).into());
     }
     let mut totals: BTreeMap<&str, WindowStats> = BTreeMap::new();
-    let bar = super::fit::Bar::new(
+    let bar = Bar::new(
         windows.len() as u64,
         "evaluating [{bar:30}] {pos}/{len} windows ETA {eta}",
     );
     for (wi, w) in windows.iter().enumerate() {
         interrupt::check()?;
         let (prefix, cont) = w.split_at(a.prefix);
-        let reference = model.continuation_logp(prefix, cont, Method::Full)?;
+        let reference = eval::continuation_logp(model, prefix, cont, Method::Full)?;
         for r in runners {
             let logp = match r.method {
                 EvalMethod::Full => reference.clone(),
-                _ => model.continuation_logp(prefix, cont, r.prefill())?,
+                _ => eval::continuation_logp(model, prefix, cont, r.prefill())?,
             };
-            let s = model.compare_logp(logp, reference.clone(), cont);
+            let s = eval::compare_logp(model, logp, reference.clone(), cont);
             if !s.nll.is_finite() || !s.kl.is_finite() {
                 return Err(EvalError::NonFinite {
                     nll: s.nll,

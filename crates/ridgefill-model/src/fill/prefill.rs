@@ -1,0 +1,325 @@
+//! The one skip-and-fill driver. [`Prefill::step`] advances a prefill one chunk of rows at a
+//! time through the layers below the split (so a server can interleave other sequences' decode
+//! steps); the step after the last chunk chooses the spans, runs the exact rows through the
+//! upper layers and fills the rest. [`Prefill::run`] loops over the steps.
+
+use std::ops::Range;
+
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation};
+
+use super::exact::exact_pass;
+use super::{FillMaps, FillRows, Oracle, check_split, choose_spans};
+use crate::cache::KvCache;
+use crate::decoder::{Decoder, PREFILL_CHUNK};
+use crate::error::{ModelError, Result};
+
+/// What a skip-and-fill prefill fills with, and which rows run every layer exactly.
+#[derive(Clone, Copy)]
+pub struct FillOptions<'a> {
+    /// First skipped layer.
+    pub split: usize,
+    /// Maps that predict the bulk rows' upper-layer K/V; `None` leaves the bulk out of the upper
+    /// layers altogether (the `drop` baseline: their cache holds sink and tail only).
+    pub maps: Option<&'a FillMaps>,
+    pub rows: FillRows,
+    /// Diagnosis: some filled K/V replaced by the full model's before the exact rows read them.
+    pub oracle: Option<&'a Oracle<'a>>,
+}
+
+impl<'a> FillOptions<'a> {
+    /// Fill the bulk with `maps` (at their split), `rows` exact.
+    pub fn fill(maps: &'a FillMaps, rows: FillRows) -> Self {
+        Self {
+            split: maps.split,
+            maps: Some(maps),
+            rows,
+            oracle: None,
+        }
+    }
+
+    /// The `drop` baseline: the bulk skips layers `split..L` and nothing takes its place.
+    pub fn drop(split: usize, rows: FillRows) -> Self {
+        Self {
+            split,
+            maps: None,
+            rows,
+            oracle: None,
+        }
+    }
+
+    /// The same, with `oracle`'s K/V restored.
+    pub fn with_oracle(self, oracle: &'a Oracle<'a>) -> Self {
+        Self {
+            oracle: Some(oracle),
+            ..self
+        }
+    }
+}
+
+/// A finished prefill.
+pub struct Filled {
+    /// Last-position logits, `[vocab]`.
+    pub logits: Tensor<1>,
+    /// The bulk spans that ran exactly (chosen by the tail's attention).
+    pub spans: Vec<Range<usize>>,
+}
+
+/// A skip-and-fill prefill in progress, into a cache that was empty when it started.
+pub struct Prefill<'a> {
+    model: &'a Decoder,
+    opts: FillOptions<'a>,
+    /// The prompt's embedded rows.
+    h: Tensor<2>,
+    /// Rows neither sink nor tail; `None` when every row runs every layer.
+    bulk: Option<Range<usize>>,
+    /// Rows that have run the layers below the split.
+    done: usize,
+    /// The tail rows entering the scoring layer, per chunk.
+    tail_in: Vec<Tensor<2>>,
+    /// Every row entering the split, per chunk.
+    h_split: Vec<Tensor<2>>,
+    spans: Vec<Range<usize>>,
+}
+
+impl<'a> Prefill<'a> {
+    /// Starts a prefill of `tokens` into `cache`, which must be empty.
+    pub fn start(
+        model: &'a Decoder,
+        tokens: &[u32],
+        cache: &KvCache,
+        opts: FillOptions<'a>,
+    ) -> Result<Self> {
+        if !cache.is_empty() {
+            return Err(ModelError::Invalid(
+                "skip-and-fill prefill needs an empty cache".into(),
+            ));
+        }
+        check_split(model, opts.split)?;
+        Ok(Self {
+            model,
+            opts,
+            h: model.embed(tokens)?,
+            bulk: opts.rows.bulk(tokens.len()),
+            done: 0,
+            tail_in: Vec::new(),
+            h_split: Vec::new(),
+            spans: Vec::new(),
+        })
+    }
+
+    /// A whole prefill: [`Prefill::start`], then [`Prefill::step`] until it is done. With
+    /// `sink + tail ≥ n` every row runs every layer and this equals [`Decoder::prefill`].
+    ///
+    /// # Shapes
+    /// - tokens: `[n]` → logits `[vocab]`
+    pub fn run(
+        model: &'a Decoder,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        opts: FillOptions<'a>,
+    ) -> Result<Filled> {
+        let mut p = Self::start(model, tokens, cache, opts)?;
+        loop {
+            if let Some(logits) = p.step(cache)? {
+                return Ok(Filled {
+                    logits,
+                    spans: p.spans,
+                });
+            }
+        }
+    }
+
+    /// Whether any row skips the upper layers (false: the prompt is all sink and tail).
+    pub fn skips(&self) -> bool {
+        self.bulk.is_some()
+    }
+
+    /// The bulk spans that ran exactly (known once the prefill is done).
+    pub fn spans(&self) -> &[Range<usize>] {
+        &self.spans
+    }
+
+    /// Runs the next [`PREFILL_CHUNK`] rows through the layers below the split (every layer
+    /// when nothing skips); the step after the last chunk runs the upper layers. Returns the
+    /// last-position logits once the prompt is done.
+    ///
+    /// # Shapes
+    /// - → `None` until the last step, then `[vocab]`
+    pub fn step(&mut self, cache: &mut KvCache) -> Result<Option<Tensor<1>>> {
+        let model = self.model;
+        let n = self.h.dims()[0];
+        let (split, layers) = (self.opts.split, model.num_layers());
+        if self.done < n {
+            let (r0, r1) = (self.done, (self.done + PREFILL_CHUNK).min(n));
+            let h = self.h.clone().narrow(0, r0, r1 - r0);
+            self.done = r1;
+            match (&self.bulk, self.opts.maps) {
+                (None, _) => {
+                    let h = model.forward_layers(h, 0..layers, cache, r0)?;
+                    if r1 < n {
+                        return Ok(None);
+                    }
+                    cache.set_len(n);
+                    return Ok(Some(self.logits(h.narrow(0, r1 - r0 - 1, 1))));
+                }
+                (Some(bulk), Some(_)) => {
+                    let scored = scoring_layer(model, split);
+                    let h_in = model.forward_layers(h, 0..scored, cache, r0)?;
+                    if r1 > bulk.end {
+                        let from = bulk.end.max(r0);
+                        self.tail_in
+                            .push(h_in.clone().narrow(0, from - r0, r1 - from));
+                    }
+                    let h_split = model.forward_layers(h_in, scored..split, cache, r0)?;
+                    self.h_split.push(h_split);
+                }
+                (Some(_), None) => {
+                    let h_split = model.forward_layers(h, 0..split, cache, r0)?;
+                    self.h_split.push(h_split);
+                }
+            }
+            return Ok(None);
+        }
+        let Some(bulk) = self.bulk.clone() else {
+            return Err(ModelError::Invalid(
+                "prefill step after the prompt was done".into(),
+            ));
+        };
+        let h_split = Tensor::cat(std::mem::take(&mut self.h_split), 0);
+        let h_last = match self.opts.maps {
+            Some(maps) => {
+                let tail_in = Tensor::cat(std::mem::take(&mut self.tail_in), 0);
+                let (h_last, spans) = fill_upper(
+                    model,
+                    maps,
+                    self.opts.rows,
+                    tail_in,
+                    h_split,
+                    cache,
+                    self.opts.oracle,
+                )?;
+                self.spans = spans;
+                h_last
+            }
+            None => {
+                let (sink, tail0) = (bulk.start, bulk.end);
+                if sink > 0 {
+                    let rows = h_split.clone().narrow(0, 0, sink);
+                    model.forward_layers(rows, split..layers, cache, 0)?;
+                }
+                let rows = h_split.narrow(0, tail0, n - tail0);
+                let t = model.forward_layers(rows, split..layers, cache, tail0)?;
+                t.narrow(0, n - tail0 - 1, 1)
+            }
+        };
+        cache.set_len(n);
+        Ok(Some(self.logits(h_last)))
+    }
+
+    /// The head over the last row.
+    fn logits(&self, h_last: Tensor<2>) -> Tensor<1> {
+        let vocab = self.model.config.vocab_size;
+        self.model.head(h_last).reshape([vocab])
+    }
+}
+
+/// The layer whose attention chooses the spans runs apart, so its input is kept: the last
+/// full-attention layer below the split (a sliding one sees only the last `window` rows, so
+/// it could never point further back).
+pub(crate) fn scoring_layer(model: &Decoder, split: usize) -> usize {
+    (0..split)
+        .rev()
+        .find(|&l| model.layers[l].window.is_none())
+        .unwrap_or(split - 1)
+}
+
+/// Everything of a fill prefill after the layers below the split: the spans the tail rows'
+/// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
+/// layers' exact pass and fill. Returns the last row entering the head and the spans.
+///
+/// # Shapes
+/// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → (`[1, hidden]`, spans)
+pub(crate) fn fill_upper(
+    model: &Decoder,
+    maps: &FillMaps,
+    rows: FillRows,
+    tail_in: Tensor<2>,
+    h_split: Tensor<2>,
+    cache: &mut KvCache,
+    oracle: Option<&Oracle>,
+) -> Result<(Tensor<2>, Vec<Range<usize>>)> {
+    let n = h_split.dims()[0];
+    let bulk = rows
+        .bulk(n)
+        .ok_or_else(|| ModelError::Invalid("fill_upper: the prompt has no bulk".into()))?;
+    let spans = if rows.span_count(n) > 0 {
+        let scored = scoring_layer(model, maps.split);
+        let scores = tail_scores(model, scored, tail_in, cache, bulk.end)?;
+        choose_spans(&scores, bulk.clone(), rows.exact_rows(n), rows.span)
+    } else {
+        Vec::new()
+    };
+    let exact: Vec<usize> = (0..bulk.start)
+        .chain(spans.iter().cloned().flatten())
+        .chain(bulk.end..n)
+        .collect();
+    let h_last = exact_pass(model, maps, h_split, &exact, bulk.start, cache, oracle)?;
+    Ok((h_last, spans))
+}
+
+/// Attention the `tail` rows (at positions `tail0..`) give every cached position of layer
+/// `l`, summed over heads and tail rows: the query's own choice of the rows that matter.
+///
+/// # Shapes
+/// - tail: `[t, hidden]` entering layer `l` → `[tail0 + t]` on the host
+pub fn tail_scores(
+    model: &Decoder,
+    l: usize,
+    tail: Tensor<2>,
+    cache: &KvCache,
+    tail0: usize,
+) -> Result<Vec<f32>> {
+    let cfg = &model.config;
+    let (heads, kvh, hd) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim(),
+    );
+    let t = tail.dims()[0];
+    let q = model.qkv(l, tail).narrow(1, 0, heads * hd);
+    let q = model.rope_of(l).apply(model.split_heads(q, heads), tail0);
+    let (k, _) = cache.read(l);
+    let keys = k.dims()[2];
+    let group = heads / kvh;
+    let k = k
+        .unsqueeze_dim::<5>(2)
+        .expand([1, kvh, group, keys, hd])
+        .reshape([1, heads, keys, hd]);
+    let logits = q
+        .matmul(k.swap_dims(2, 3))
+        .mul_scalar(cfg.attention_scale())
+        .cast(FloatDType::F32);
+    let logits = match cfg.attn_logit_softcapping {
+        Some(cap) => crate::decoder::attention::softcap(logits, cap),
+        None => logits,
+    };
+    // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i (the last `window` of them
+    // on a sliding-window layer).
+    let window = model.layers[l].window.unwrap_or(usize::MAX);
+    let bits: Vec<bool> = (0..t)
+        .flat_map(|i| {
+            let lo = (tail0 + i + 1).saturating_sub(window);
+            (0..keys).map(move |j| j > tail0 + i || j < lo)
+        })
+        .collect();
+    let mask = Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, t, keys]), &model.device)
+        .expand([1, heads, t, keys]);
+    let p = activation::softmax(logits.mask_fill(mask, f32::NEG_INFINITY), 3);
+    let s = crate::to_host_f32(p.sum_dim(1).sum_dim(2).reshape([keys]));
+    if let Some(i) = s.iter().position(|x| !x.is_finite()) {
+        return Err(ModelError::Invalid(format!(
+            "non-finite attention score at position {i} in layer {l}"
+        )));
+    }
+    Ok(s)
+}

@@ -1,0 +1,133 @@
+//! Which bulk rows run exactly: spans around the rows the tail's attention scores highest, and
+//! the filled rows a sliding-window layer can still reach.
+
+use std::ops::Range;
+
+/// Exact rows inside `bulk`, at most `budget` of them: windows of `2·radius + 1` rows around
+/// the best-scoring rows, best first, each window adding the rows it does not share with earlier
+/// ones; a window that would overrun the budget is passed over. Neighbouring high scores thus
+/// widen one span, so a fact sentence the query matches is covered whole, including the words
+/// after the match that hold the answer. Returned sorted and merged.
+pub fn choose_spans(
+    scores: &[f32],
+    bulk: Range<usize>,
+    budget: usize,
+    radius: usize,
+) -> Vec<Range<usize>> {
+    let budget = budget.min(bulk.len());
+    let mut order: Vec<usize> = bulk.clone().collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    let mut chosen = vec![false; bulk.len()];
+    let mut used = 0;
+    for p in order {
+        if used == budget {
+            break;
+        }
+        let window = p.saturating_sub(radius).max(bulk.start)..(p + radius + 1).min(bulk.end);
+        let fresh = window.clone().filter(|&i| !chosen[i - bulk.start]).count();
+        if fresh == 0 || used + fresh > budget {
+            continue;
+        }
+        window.for_each(|i| chosen[i - bulk.start] = true);
+        used += fresh;
+    }
+    let runs = chosen
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c)
+        .map(|(i, _)| bulk.start + i..bulk.start + i + 1)
+        .collect();
+    merge(runs)
+}
+
+/// Filled rows a sliding-window layer needs: those within `window` keys of an exact row
+/// (`exact` increasing; the last one is the prompt's last row, so decoding reaches no further
+/// back), less the exact rows themselves, whose slots they overwrite.
+pub fn window_reads(exact: &[usize], window: usize) -> Vec<Range<usize>> {
+    let reach = merge(
+        exact
+            .iter()
+            .map(|&p| (p + 1).saturating_sub(window)..p + 1)
+            .collect(),
+    );
+    let mut out = Vec::new();
+    let mut next_exact = exact.iter().peekable();
+    for r in reach {
+        let mut start = r.start;
+        while let Some(&&p) = next_exact.peek() {
+            if p >= r.end {
+                break;
+            }
+            if p > start {
+                out.push(start..p);
+            }
+            start = start.max(p + 1);
+            next_exact.next();
+        }
+        if start < r.end {
+            out.push(start..r.end);
+        }
+    }
+    out
+}
+
+/// Sorts ranges and merges those that overlap or touch.
+fn merge(mut spans: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    spans.sort_by_key(|s| s.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(spans.len());
+    for s in spans {
+        match out.last_mut() {
+            Some(last) if s.start <= last.end => last.end = last.end.max(s.end),
+            _ => out.push(s),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_grow_around_the_best_rows_within_the_budget() {
+        let mut scores = vec![0.0f32; 100];
+        scores[50] = 9.0;
+        scores[52] = 8.0; // near the first: widens its span by two rows
+        scores[90] = 7.0;
+        scores[3] = 6.0; // its window is clipped to the bulk
+        let spans = choose_spans(&scores, 1..96, 3 * 9, 4);
+        assert_eq!(spans, vec![1..8, 46..57, 86..95]);
+        // A window that would overrun the budget is passed over; smaller ones still fit.
+        let spans = choose_spans(&scores, 1..96, 9 + 2, 4);
+        assert_eq!(spans, vec![46..57]);
+    }
+
+    #[test]
+    fn a_matched_sentence_is_covered_to_its_end() {
+        // The query matches a sentence's first words best; the answer sits after them.
+        let mut scores: Vec<f32> = (0..400).map(|i| ((i * 37 % 101) as f32) * 1e-3).collect();
+        for (k, i) in (200..209).enumerate() {
+            scores[i] = 1.0 - 0.05 * k as f32;
+        }
+        // A fixed ±8 window around row 200 would end at 208.
+        let answer = 209..214;
+        let spans = choose_spans(&scores, 1..384, 5 * 17, 8);
+        assert!(
+            answer.clone().all(|i| spans.iter().any(|s| s.contains(&i))),
+            "{spans:?}"
+        );
+        let rows: usize = spans.iter().map(|s| s.len()).sum();
+        assert!(rows <= 5 * 17, "{rows} rows");
+    }
+
+    #[test]
+    fn a_sliding_layer_fills_only_rows_its_exact_rows_reach() {
+        // Sink 0, a span 40..43, tail 96..100, window 8.
+        let exact: Vec<usize> = [0].into_iter().chain(40..43).chain(96..100).collect();
+        assert_eq!(window_reads(&exact, 8), vec![33..40, 89..96]);
+        // A window wider than the prompt reaches every bulk row.
+        assert_eq!(window_reads(&exact, 1000), vec![1..40, 43..96]);
+        // Window 1: a row sees only itself, so nothing is filled.
+        assert!(window_reads(&exact, 1).is_empty());
+    }
+}
