@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The README's test command: sets up what the tests need on a fresh machine, then runs
+# `cargo test --release --workspace` (extra arguments go to cargo test). `.ci/run` calls it too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Mesa's Vulkan loader complains without one; nothing else needs it.
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp/xdg-runtime-$(id -u)}"
+mkdir -p "$XDG_RUNTIME_DIR" && chmod 700 "$XDG_RUNTIME_DIR"
+# Cheap kernel autotuning: tests check values, not speed.
+export CUBECL_AUTOTUNE_LEVEL="${CUBECL_AUTOTUNE_LEVEL:-minimal}"
+
+# The wgpu tests need a GPU or a Vulkan driver; Mesa's lavapipe runs Vulkan on the CPU. Without
+# one they fail at once and say so (they never fall back to a software GL adapter).
+if ! ldconfig -p | grep -q libvulkan.so.1 || ! ls /usr/share/vulkan/icd.d/*.json >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing Mesa's lavapipe (Vulkan on the CPU) for the wgpu tests"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+  else
+    echo "warning: no Vulkan driver; install mesa-vulkan-drivers and libvulkan1 (as root) or the wgpu tests fail" >&2
+  fi
+fi
+
+# Every model a test uses, through the project's own fetch (the same release build as the tests).
+for model in smollm2-135m gemma3-270m; do
+  cargo run --release --quiet -- fetch "$model"
+done
+
+cargo test --release --workspace "$@"
