@@ -146,7 +146,7 @@ fn accumulate_window_at(
     for (i, &s) in splits.iter().enumerate() {
         let end = splits.get(i + 1).copied().unwrap_or(layers);
         xs.push(to_host_f32(
-            fill::features(&model, h.clone()).narrow(0, sink, rows),
+            fill::features(model, h.clone()).narrow(0, sink, rows),
         ));
         let (next, seg) = model.forward_layers_capturing(h, s..end, &mut cache, 0)?;
         h = next;

@@ -59,10 +59,6 @@ pub(super) fn ropes(
     (rope, local)
 }
 
-/// `x · Wᵀ` (plus `residual`) through the quantised CPU kernels; block weights are only loaded
-/// for flex.
-///
-
 impl Decoder {
     /// The RoPE tables layer `l` rotates with.
     pub fn rope_of(&self, l: usize) -> &Rope {
