@@ -9,7 +9,9 @@ use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, Tensor};
 use ridgefill_quant::pool;
 
-use super::flex::{KvView, flex, heads4, widen_kv, wrap};
+#[cfg(target_arch = "x86_64")]
+use super::flex::KvView;
+use super::flex::{flex, heads4, widen_kv, wrap};
 use super::par::{SendPtr, TASKS_PER_THREAD};
 use super::simd::{
     LANES, PREFETCH_KEYS, VALUE_GROUP, prefetch_row, simd_fn, softmax_rows, tree_sum,
