@@ -1,12 +1,9 @@
 //! Bad input, one table row each: the exit status and the message a user sees, never a panic.
 //!
-//! Every file is made here from the tiny random Llama of `crates/ridgefill-io/tests/common` (as
+//! Every file is made here from the tiny random Llama of `ridgefill_testkit::tiny` (as
 //! GGUF and as a Hugging Face directory), broken in one way per row; fill and statistics files
 //! come from a real `ridgefill fit` on it and are then damaged. No network, no real model.
 //! The last tests press Ctrl-C (SIGINT) and pull the plug (SIGKILL) on running commands.
-
-#[path = "../crates/ridgefill-io/tests/common/mod.rs"]
-mod tiny;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -15,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use ridgefill::io::GgmlType;
 use ridgefill::io::stats::StatsFile;
+use ridgefill_testkit::{cli, tiny};
 use safetensors::tensor::{Dtype, TensorView};
 
 /// `main`'s status for every error.
@@ -231,27 +229,9 @@ fn fixture(d: &Path) {
     std::fs::write(d.join("latin1_long.txt"), latin1).unwrap();
 
     // A real fill file and statistics file for tiny.gguf, then damaged copies.
-    let fit: Vec<String> = [
-        "fit",
-        "-m",
-        "tiny.gguf",
-        "--device",
-        "cpu",
-        "--calib",
-        "calib",
-        "--split",
-        "1",
-        "--ctx",
-        "32",
-        "--alpha",
-        "1e-3",
-        "-o",
-        "good.fill",
-        "--stats-out",
-        "good.stats",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut fit = cli::fit_args("tiny.gguf", "calib", "good.fill");
+    fit.extend(["--stats-out", "good.stats"]);
+    let fit: Vec<String> = fit.into_iter().map(String::from).collect();
     let out = ridgefill(d, &fit);
     assert!(
         out.status.success(),
@@ -320,7 +300,8 @@ fn args(cmd: &[&str], defaults: &[(&str, &str)], extra: &[&str]) -> Vec<String> 
     out
 }
 
-/// Every bad input of issue 5 with the command that meets it.
+/// Every bad input a user can hand the CLI (a broken, mismatched or missing checkpoint, fill,
+/// statistics or text file, or a flag out of range) with the command that meets it.
 fn rows() -> Vec<Row> {
     const MODEL: [(&str, &str); 2] = [("-m", "tiny.gguf"), ("--device", "cpu")];
     let gen_ = |extra: &[&str]| args(&["generate"], &[MODEL[0], MODEL[1], ("-n", "4")], extra);

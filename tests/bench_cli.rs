@@ -1,29 +1,16 @@
 //! `ridgefill bench`, `probe` and `parity` end to end on the tiny model: the output formats carry
 //! llama-bench's fields with consistent values, and the atomic `--out` file is complete.
 
-#[path = "../crates/ridgefill-io/tests/common/mod.rs"]
-mod tiny;
+mod common;
 
 use std::path::Path;
 use std::process::Command;
 
+use common::ridgefill;
+use ridgefill_testkit::{cli, tiny};
+
 /// Repetitions in these runs (the sample vectors must have exactly this many entries).
 const REPS: usize = 2;
-
-fn ridgefill(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
-        .args(args)
-        .env("CUBECL_AUTOTUNE_LEVEL", "minimal")
-        .output()
-        .expect("run ridgefill");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr,
-    )
-}
 
 fn floats(v: &serde_json::Value) -> Vec<f64> {
     v.as_array()
@@ -271,7 +258,7 @@ fn bench_refuses_nonsense() {
 fn a_headless_run_lists_adapters_quietly() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
+    let out = Command::new(common::BIN)
         .args([
             "bench", "-m", &model, "--device", "auto", "-p", "8", "-n", "0", "-r", "1",
         ])
@@ -305,23 +292,11 @@ fn bench_with_a_fitted_fill_file() {
         std::fs::write(calib.join(format!("doc{i}.txt")), tiny::words(150, i + 1)).unwrap();
     }
     let fill = dir.path().join("tiny.fill");
-    let (ok, _, stderr) = ridgefill(&[
-        "fit",
-        "-m",
+    let (ok, _, stderr) = ridgefill(&cli::fit_args(
         &model,
-        "--device",
-        "cpu",
-        "--calib",
         calib.to_str().unwrap(),
-        "--split",
-        "1",
-        "--ctx",
-        "32",
-        "--alpha",
-        "1e-3",
-        "-o",
         fill.to_str().unwrap(),
-    ]);
+    ));
     assert!(ok, "fit: {stderr}");
     let (ok, stdout, stderr) = ridgefill(&[
         "bench",

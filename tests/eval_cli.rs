@@ -2,11 +2,12 @@
 //! the retrieval tasks report one self-contained row per task × length × method, and lengths
 //! beyond the context are typed errors.
 
-#[path = "../crates/ridgefill-io/tests/common/mod.rs"]
-mod tiny;
+mod common;
 
 use std::path::Path;
-use std::process::Command;
+
+use common::ridgefill;
+use ridgefill_testkit::{cli, tiny};
 
 /// The tiny model's context here: its fixture's is too short for a haystack around the facts.
 const CONTEXT: usize = 512;
@@ -17,21 +18,6 @@ const ANSWER_TOKENS: usize = 8;
 const LENGTHS: [usize; 2] = [280, CONTEXT - ANSWER_TOKENS];
 const METHODS: [&str; 6] = ["full", "fill", "ridge", "spans", "drop", "own-proj"];
 const TASKS: [&str; 4] = ["passkey", "passkey-first", "prose", "multi"];
-
-fn ridgefill(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ridgefill"))
-        .args(args)
-        .env("CUBECL_AUTOTUNE_LEVEL", "minimal")
-        .output()
-        .expect("run ridgefill");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr,
-    )
-}
 
 /// The tiny model as a HF directory with a `CONTEXT` context, prose, and a fill file fitted on
 /// that prose (split 1).
@@ -56,23 +42,7 @@ fn setup() -> Setup {
     }
     let fill = dir.path().join("tiny.fill");
     let s = |p: &Path| p.to_str().unwrap().to_string();
-    let (ok, _, stderr) = ridgefill(&[
-        "fit",
-        "-m",
-        &s(&model),
-        "--device",
-        "cpu",
-        "--calib",
-        &s(&prose),
-        "--split",
-        "1",
-        "--ctx",
-        "32",
-        "--alpha",
-        "1e-3",
-        "-o",
-        &s(&fill),
-    ]);
+    let (ok, _, stderr) = ridgefill(&cli::fit_args(&s(&model), &s(&prose), &s(&fill)));
     assert!(ok, "fit: {stderr}");
     Setup {
         model: s(&model),

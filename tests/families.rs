@@ -9,7 +9,9 @@ mod common;
 use ridgefill::io::config::{Activation, ModelConfig};
 use ridgefill::model::Decoder;
 use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
-use ridgefill::model::{Device, FloatDType, Tensor, to_host_f32};
+use ridgefill::model::{Device, FloatDType, to_host_f32};
+use ridgefill_testkit::reference::{Reference, max_abs_diff_f64 as diff};
+use ridgefill_testkit::{fill, prompt};
 
 /// Agreement expected between an f32 model and the f64 reference.
 const TOL: f32 = 2e-3;
@@ -62,184 +64,15 @@ fn model(cfg: &ModelConfig, cpu_kernels: bool) -> Decoder {
     m
 }
 
-fn prompt(n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
-}
-
-fn host<const D: usize>(t: &Tensor<D>) -> Vec<f64> {
-    to_host_f32(t.clone()).into_iter().map(f64::from).collect()
-}
-
-fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
-    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
-    let inv = 1.0 / (ms + eps).sqrt();
-    x.iter().zip(w).map(|(v, w)| v * inv * w).collect()
-}
-
-/// `x · W` for a row-major `[in, out]` weight.
-fn vecmat(x: &[f64], w: &[f64]) -> Vec<f64> {
-    let out = w.len() / x.len();
-    let mut y = vec![0.0; out];
-    for (i, xi) in x.iter().enumerate() {
-        for (o, yo) in y.iter_mut().enumerate() {
-            *yo += xi * w[i * out + o];
-        }
-    }
-    y
-}
-
-fn rope(x: &mut [f64], pos: usize, theta: f64) {
-    let hd = x.len();
-    let half = hd / 2;
-    for i in 0..half {
-        let f = 1.0 / theta.powf((2 * i) as f64 / hd as f64);
-        let (s, c) = (pos as f64 * f).sin_cos();
-        let (a, b) = (x[i], x[i + half]);
-        x[i] = a * c - b * s;
-        x[i + half] = b * c + a * s;
-    }
-}
-
-fn softcap(x: f64, cap: Option<f64>) -> f64 {
-    cap.map_or(x, |c| c * (x / c).tanh())
-}
-
-/// Plain f64 forward from the model's own tensors, following transformers' Llama / Qwen2 /
-/// Qwen3 / Gemma 3 code (`window` per layer overrides the model's when given); returns the
-/// logits of every position.
+/// The f64 reference from the model's own tensors (`windows`, when given, overriding each
+/// layer's); the logits of every position.
 fn reference(m: &Decoder, tokens: &[u32], windows: Option<&[Option<usize>]>) -> Vec<Vec<f64>> {
-    let c = &m.config;
-    let (d, hd, nh, nkv) = (
-        c.hidden_size,
-        c.head_dim(),
-        c.num_attention_heads,
-        c.num_key_value_heads,
-    );
-    let (q_dim, kv_dim, ff) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
-    let eps = c.rms_norm_eps;
-    let emb = host(&m.embed_tokens.embedding_dense(&m.device, m.dtype));
-    let scale = c.embed_scale.map_or(1.0, |s| f64::from(s as f32));
-    let mut hs: Vec<Vec<f64>> = tokens
-        .iter()
-        .map(|&t| {
-            let row = &emb[t as usize * d..(t as usize + 1) * d];
-            row.iter().map(|v| v * scale).collect()
-        })
-        .collect();
-    let n = hs.len();
-    for (l, layer) in m.layers.iter().enumerate() {
-        let window = windows.map_or(layer.window, |w| w[l]);
-        let theta = if layer.local_rope {
-            c.rope_local_base_freq.unwrap()
-        } else {
-            c.rope_theta
-        };
-        let (ln1, wqkv) = (
-            host(&layer.pre_attn_norm),
-            host(&layer.qkv_proj.dense(&m.device, m.dtype)),
-        );
-        let bias = layer.qkv_bias.as_ref().map(host);
-        let (qn, kn) = (
-            layer.q_norm.as_ref().map(host),
-            layer.k_norm.as_ref().map(host),
-        );
-        let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
-        for (pos, h) in hs.iter().enumerate() {
-            let mut y = vecmat(&rms_norm(h, &ln1, eps), &wqkv);
-            if let Some(b) = &bias {
-                y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
-            }
-            let mut q = y[..q_dim].to_vec();
-            let mut k = y[q_dim..q_dim + kv_dim].to_vec();
-            for (x, w) in [(&mut q, &qn), (&mut k, &kn)] {
-                for head in x.chunks_mut(hd) {
-                    if let Some(w) = w {
-                        let normed = rms_norm(head, w, eps);
-                        head.copy_from_slice(&normed);
-                    }
-                    rope(head, pos, theta);
-                }
-            }
-            qs.push(q);
-            ks.push(k);
-            vs.push(y[q_dim + kv_dim..].to_vec());
-        }
-        let att_scale = 1.0 / c.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt();
-        let group = nh / nkv;
-        let wo = host(&layer.o_proj.dense(&m.device, m.dtype));
-        let post_attn = layer.post_attn_norm.as_ref().map(host);
-        let pre_mlp = host(&layer.pre_mlp_norm);
-        let post_mlp = layer.post_mlp_norm.as_ref().map(host);
-        let (wgu, wd) = (
-            host(&layer.gate_up_proj.dense(&m.device, m.dtype)),
-            host(&layer.down_proj.dense(&m.device, m.dtype)),
-        );
-        for i in 0..n {
-            let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
-            let mut attn = vec![0.0; q_dim];
-            for h in 0..nh {
-                let kvh = h / group;
-                let q = &qs[i][h * hd..(h + 1) * hd];
-                let scores: Vec<f64> = (lo..=i)
-                    .map(|j| {
-                        let k = &ks[j][kvh * hd..(kvh + 1) * hd];
-                        let s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * att_scale;
-                        softcap(s, c.attn_logit_softcapping)
-                    })
-                    .collect();
-                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for (jj, ej) in e.iter().enumerate() {
-                    let j = lo + jj;
-                    for t in 0..hd {
-                        attn[h * hd + t] += ej / z * vs[j][kvh * hd + t];
-                    }
-                }
-            }
-            let mut o = vecmat(&attn, &wo);
-            if let Some(w) = &post_attn {
-                o = rms_norm(&o, w, eps);
-            }
-            hs[i].iter_mut().zip(&o).for_each(|(h, o)| *h += o);
-            let gu = vecmat(&rms_norm(&hs[i], &pre_mlp, eps), &wgu);
-            let act: Vec<f64> = (0..ff)
-                .map(|j| {
-                    let (g, u) = (gu[j], gu[ff + j]);
-                    let a = match c.hidden_act {
-                        Activation::Silu => g / (1.0 + (-g).exp()),
-                        Activation::GeluTanh => {
-                            let k = (2.0 / std::f64::consts::PI).sqrt();
-                            0.5 * g * (1.0 + (k * (g + 0.044715 * g * g * g)).tanh())
-                        }
-                    };
-                    a * u
-                })
-                .collect();
-            let mut y = vecmat(&act, &wd);
-            if let Some(w) = &post_mlp {
-                y = rms_norm(&y, w, eps);
-            }
-            hs[i].iter_mut().zip(&y).for_each(|(h, y)| *h += y);
-        }
+    let r = Reference::from_decoder(m);
+    match windows {
+        Some(w) => r.with_windows(w),
+        None => r,
     }
-    let (norm, head) = (host(&m.norm), host(&m.lm_head.dense(&m.device, m.dtype)));
-    hs.iter()
-        .map(|h| {
-            vecmat(&rms_norm(h, &norm, eps), &head)
-                .into_iter()
-                .map(|x| softcap(x, c.final_logit_softcapping))
-                .collect()
-        })
-        .collect()
-}
-
-fn diff(a: &[f32], b: &[f64]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - y).abs() as f32)
-        .fold(0.0, f32::max)
+    .logits(tokens)
 }
 
 #[test]
@@ -312,29 +145,11 @@ fn cached_decode_equals_uncached_forward_on_every_family() {
 }
 
 fn random_maps(m: &Decoder, split: usize) -> FillMaps {
-    let c = &m.config;
-    let rows = (c.hidden_size + 1) * c.kv_dim();
     let mut x = 0.1f32;
-    let mut next = || {
+    fill::random_maps(m, split, || {
         x = (x * 3.7 + 0.31).fract();
         x - 0.5
-    };
-    let mut maps = || {
-        (split..c.num_hidden_layers)
-            .map(|_| (0..rows).map(|_| next()).collect())
-            .collect::<Vec<Vec<f32>>>()
-    };
-    let (k, v) = (maps(), maps());
-    FillMaps::from_host(
-        split,
-        c.hidden_size,
-        c.kv_dim(),
-        &k,
-        &v,
-        FloatDType::F32,
-        &m.device,
-    )
-    .unwrap()
+    })
 }
 
 /// Skip-and-fill whose tail is the whole prompt, and whose chosen spans cover every bulk row

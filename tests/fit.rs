@@ -2,8 +2,6 @@
 //! exactly linear, shards merge to one pass, and fill files round-trip into the engine.
 
 mod common;
-#[path = "../crates/ridgefill-io/tests/common/mod.rs"]
-mod tiny;
 
 use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::io::fill::{FillDtype, ModelFingerprint, SplitTrial};
@@ -20,6 +18,7 @@ use ridgefill_fit::solve::{
     AlphaChoice, FitOptions, SplitBudget, default_split_candidates, fit_fill,
     fit_fill_split_search, ridge_solve,
 };
+use ridgefill_testkit::tiny;
 
 const SPLIT: usize = 1;
 

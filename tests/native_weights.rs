@@ -3,8 +3,9 @@
 //! (exact up to summation order; with AVX-512 VNNI, Q4_0/Q4_1 batches stay on the integer
 //! kernels like single rows), single rows (decode, and the head of the prefill's last row)
 //! quantise the activation row to 8 bits for the integer dot products, which moves logits by
-//! about 1% of their spread and the mean NLL by well under the 0.5% issue 13 allows. SmolLM2 (Q4_1, Q8_0) and, when fetched,
-//! Gemma 3 (Q4_K, Q5_0, Q6_K, Q8_0 mixed in one fused projection).
+//! about 1% of their spread and the mean NLL by well under the 0.5% required of native weights.
+//! SmolLM2 (Q4_1, Q8_0) and, when fetched, Gemma 3 (Q4_K, Q5_0, Q6_K, Q8_0 mixed in one fused
+//! projection).
 
 mod common;
 
@@ -13,7 +14,7 @@ use ridgefill::model::Decoder;
 use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
 use ridgefill::model::{Device, WeightFormat, to_host_f32};
 
-/// Issue 13: whole-model NLL within 0.5% of the f32 path (SmolLM2 decodes at 0.3%).
+/// Native weights keep the whole-model NLL within 0.5% of the f32 path (SmolLM2 decodes at 0.3%).
 const NLL_REL_TOL: f64 = 5e-3;
 /// Gemma 3's hidden states carry outliers hundreds of times the typical value, so 8-bit
 /// activation blocks round its small values coarsely: teacher-forced decode NLL over these 129
@@ -76,7 +77,7 @@ fn fill_every_row_exact(m: &Decoder, ids: &[u32], dev: &Device) -> Vec<f32> {
     };
     to_host_f32(
         Prefill::run(
-            &m,
+            m,
             ids,
             &mut m.new_cache(ids.len()),
             FillOptions::fill(&maps, rows),

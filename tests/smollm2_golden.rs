@@ -6,6 +6,12 @@ mod common;
 use common::*;
 use ridgefill::model::sample::argmax;
 use ridgefill::model::to_host_f32;
+use ridgefill_testkit::decode;
+use ridgefill_testkit::golden::{self, ModelGolden};
+
+fn golden() -> &'static ModelGolden {
+    golden::smollm2()
+}
 
 /// Logit tolerance against transformers (f32 on both sides; summation order differs).
 const LOGIT_TOL: f64 = 1e-3;
@@ -15,18 +21,18 @@ const NLL_REL_TOL: f64 = 1e-4;
 #[test]
 fn tokenizer_matches_transformers() {
     let tok = &smollm2_ckpt().tokenizer;
-    let cases = golden()["tokenizer"].as_array().expect("tokenizer cases");
+    let cases = &golden().tokenizer;
     assert!(cases.len() >= 10);
     for case in cases {
-        let text = case["text"].as_str().unwrap();
+        let text = &case.text;
         assert_eq!(
             tok.encode(text, false).unwrap(),
-            ids_of(&case["ids_no_special"]),
+            case.ids_no_special,
             "{text:?}"
         );
         assert_eq!(
             tok.encode(text, true).unwrap(),
-            ids_of(&case["ids_default"]),
+            case.ids_default,
             "{text:?}"
         );
     }
@@ -36,16 +42,15 @@ fn tokenizer_matches_transformers() {
 fn last_position_logits_match_transformers() {
     let model = smollm2_flex();
     let tok = &smollm2_ckpt().tokenizer;
-    for p in golden()["prompts"].as_array().unwrap() {
-        let text = p["text"].as_str().unwrap();
+    for p in &golden().prompts {
+        let text = &p.text;
         let ids = tok.encode(text, true).unwrap();
-        assert_eq!(ids, ids_of(&p["ids"]), "token ids of {text:?}");
+        assert_eq!(ids, p.ids, "token ids of {text:?}");
         let mut cache = model.new_cache(ids.len());
         let logits = to_host_f32(model.prefill(&ids, &mut cache).unwrap());
-        let idx = ids_of(&p["logits_last"]["indices"]);
-        let want = floats_of(&p["logits_last"]["values"]);
+        let (idx, want) = (&p.logits_last.indices, &p.logits_last.values);
         let mut worst = 0.0f64;
-        for (&i, &w) in idx.iter().zip(&want) {
+        for (&i, &w) in idx.iter().zip(want) {
             worst = worst.max((logits[i as usize] as f64 - w).abs());
         }
         eprintln!(
@@ -56,13 +61,13 @@ fn last_position_logits_match_transformers() {
             worst <= LOGIT_TOL,
             "{text:?}: max |Δlogit| {worst} > {LOGIT_TOL}"
         );
-        assert_eq!(argmax(&logits), p["argmax"].as_u64().unwrap() as u32);
+        assert_eq!(argmax(&logits), p.argmax);
         let l2 = logits
             .iter()
             .map(|&x| (x as f64).powi(2))
             .sum::<f64>()
             .sqrt();
-        let want_l2 = p["logits_last_l2"].as_f64().unwrap();
+        let want_l2 = p.logits_last_l2;
         assert!(
             (l2 - want_l2).abs() / want_l2 < 1e-5,
             "{text:?}: ‖logits‖ {l2} vs {want_l2}"
@@ -74,21 +79,12 @@ fn last_position_logits_match_transformers() {
 fn greedy_continuation_matches_transformers() {
     let model = smollm2_flex();
     let tok = &smollm2_ckpt().tokenizer;
-    let prompts = golden()["prompts"].as_array().unwrap();
-    for g in golden()["greedy"].as_array().unwrap() {
-        let p = &prompts[g["prompt"].as_u64().unwrap() as usize];
-        let ids = tok.encode(p["text"].as_str().unwrap(), true).unwrap();
-        let want = ids_of(&g["ids"]);
-        let mut cache = model.new_cache(ids.len() + want.len());
-        let mut logits = to_host_f32(model.prefill(&ids, &mut cache).unwrap());
-        let mut got = Vec::new();
-        for _ in 0..want.len() {
-            let t = argmax(&logits);
-            got.push(t);
-            logits = to_host_f32(model.decode_step(t, &mut cache).unwrap());
-        }
-        assert_eq!(got, want, "greedy ids");
-        assert_eq!(tok.decode(&got, true).unwrap(), g["text"].as_str().unwrap());
+    for g in &golden().greedy {
+        let p = &golden().prompts[g.prompt];
+        let ids = tok.encode(&p.text, true).unwrap();
+        let got = decode::greedy(model, &ids, g.ids.len());
+        assert_eq!(got, g.ids, "greedy ids");
+        assert_eq!(tok.decode(&got, true).unwrap(), g.text);
     }
 }
 
@@ -96,15 +92,14 @@ fn greedy_continuation_matches_transformers() {
 fn score_matches_transformers() {
     let model = smollm2_flex();
     let tok = &smollm2_ckpt().tokenizer;
-    let s = &golden()["score"];
-    let text = std::fs::read_to_string(repo().join(s["file"].as_str().unwrap())).unwrap();
+    let s = &golden().score;
+    let text = std::fs::read_to_string(repo().join(&s.file)).unwrap();
     let ids = tok.encode(&text, true).unwrap();
-    assert_eq!(ids.len() as u64, s["n_tokens"].as_u64().unwrap());
-    let ctx = s["ctx"].as_u64().unwrap() as usize;
-    let r = ridgefill::score::score_ids(model, &ids, ctx).unwrap();
-    let want = s["mean_nll"].as_f64().unwrap();
+    assert_eq!(ids.len(), s.n_tokens);
+    let r = ridgefill::score::score_ids(model, &ids, s.ctx).unwrap();
+    let want = s.mean_nll;
     eprintln!("mean NLL {} vs transformers {want}", r.mean_nll);
-    assert_eq!(r.tokens_scored as u64, s["tokens_scored"].as_u64().unwrap());
+    assert_eq!(r.tokens_scored, s.tokens_scored);
     assert!(
         (r.mean_nll - want).abs() / want <= NLL_REL_TOL,
         "mean NLL {} vs {want}",
@@ -115,10 +110,10 @@ fn score_matches_transformers() {
 #[test]
 fn prefill_then_decode_equals_one_longer_prefill() {
     let model = smollm2_flex();
-    let ids = ids_of(&golden()["prompts"][1]["ids"]);
+    let ids = &golden().prompts[1].ids;
     let n = ids.len();
     let mut full = model.new_cache(n);
-    let one = to_host_f32(model.prefill(&ids, &mut full).unwrap());
+    let one = to_host_f32(model.prefill(ids, &mut full).unwrap());
     // Split prefill into two chunks, then decode the last token.
     let mut cache = model.new_cache(n);
     model.prefill(&ids[..n / 2], &mut cache).unwrap();
@@ -133,9 +128,9 @@ fn prefill_then_decode_equals_one_longer_prefill() {
 fn wgpu_matches_flex_on_smollm2() {
     let flex = smollm2_flex();
     let wgpu = load_on(smollm2_ckpt(), &common::wgpu().device);
-    let ids = ids_of(&golden()["prompts"][1]["ids"]);
-    let a = to_host_f32(flex.prefill(&ids, &mut flex.new_cache(ids.len())).unwrap());
-    let b = to_host_f32(wgpu.prefill(&ids, &mut wgpu.new_cache(ids.len())).unwrap());
+    let ids = &golden().prompts[1].ids;
+    let a = to_host_f32(flex.prefill(ids, &mut flex.new_cache(ids.len())).unwrap());
+    let b = to_host_f32(wgpu.prefill(ids, &mut wgpu.new_cache(ids.len())).unwrap());
     let d = max_abs_diff(&a, &b);
     eprintln!("flex vs wgpu max |Δlogit| = {d:.2e}");
     assert!(d <= 1e-3, "flex vs wgpu max |Δlogit| {d}");

@@ -3,13 +3,13 @@
 //! forward, GGUF against HF, cached against uncached, skip-and-fill against full, flex against wgpu.
 
 mod common;
-#[path = "../crates/ridgefill-io/tests/common/mod.rs"]
-mod tiny;
 
 use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::model::Decoder;
 use ridgefill::model::fill::{self, FillMaps, FillOptions, FillRows, Oracle, Prefill};
 use ridgefill::model::{Device, FloatDType, Weight, WeightFormat, to_host_f32};
+use ridgefill_testkit::reference::{Reference, max_abs_diff_f64};
+use ridgefill_testkit::{self as testkit, prompt, tiny};
 
 /// Agreement expected between two f32 implementations of the same tiny model.
 const TOL: f32 = 1e-3;
@@ -35,136 +35,10 @@ fn fixture() -> Fixture {
     }
 }
 
-fn prompt(n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
-}
-
-fn rms_norm(x: &[f64], w: Option<&[f32]>, eps: f64) -> Vec<f64> {
-    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
-    let inv = 1.0 / (ms + eps).sqrt();
-    x.iter()
-        .enumerate()
-        .map(|(i, v)| v * inv * w.map_or(1.0, |w| w[i] as f64))
-        .collect()
-}
-
-/// `y = W x` for an HF `[out, in]` row-major weight.
-fn matvec(w: &[f32], x: &[f64], out: usize) -> Vec<f64> {
-    let inp = x.len();
-    (0..out)
-        .map(|o| (0..inp).map(|i| w[o * inp + i] as f64 * x[i]).sum())
-        .collect()
-}
-
-fn rope(x: &mut [f64], pos: usize, theta: f64) {
-    let hd = x.len();
-    let half = hd / 2;
-    for i in 0..half {
-        let f = 1.0 / theta.powf((2 * i) as f64 / hd as f64);
-        let (s, c) = (pos as f64 * f).sin_cos();
-        let (a, b) = (x[i], x[i + half]);
-        x[i] = a * c - b * s;
-        x[i + half] = b * c + a * s;
-    }
-}
-
-/// Plain f64 Llama forward written from the HF definition; returns last-position logits.
+/// Last-position logits of the f64 reference, with the weights read from the checkpoint.
 fn reference_logits(ck: &Checkpoint, tokens: &[u32]) -> Vec<f32> {
-    let c = &ck.config;
-    let (d, hd, nh, nkv) = (
-        c.hidden_size,
-        c.head_dim(),
-        c.num_attention_heads,
-        c.num_key_value_heads,
-    );
-    let w = |n: &str| ck.tensor_f32(n).unwrap();
-    let emb = w("model.embed_tokens.weight");
-    let mut hs: Vec<Vec<f64>> = tokens
-        .iter()
-        .map(|&t| {
-            emb[t as usize * d..(t as usize + 1) * d]
-                .iter()
-                .map(|&v| v as f64)
-                .collect()
-        })
-        .collect();
-    let eps = c.rms_norm_eps;
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        let (wq, wk, wv, wo) = (
-            w(&format!("{p}.self_attn.q_proj.weight")),
-            w(&format!("{p}.self_attn.k_proj.weight")),
-            w(&format!("{p}.self_attn.v_proj.weight")),
-            w(&format!("{p}.self_attn.o_proj.weight")),
-        );
-        let ln1 = w(&format!("{p}.input_layernorm.weight"));
-        let mut qs = Vec::new();
-        let mut ks = Vec::new();
-        let mut vs = Vec::new();
-        for (pos, h) in hs.iter().enumerate() {
-            let x = rms_norm(h, Some(&ln1), eps);
-            let mut q = matvec(&wq, &x, nh * hd);
-            let mut k = matvec(&wk, &x, nkv * hd);
-            for head in q.chunks_mut(hd).chain(k.chunks_mut(hd)) {
-                rope(head, pos, c.rope_theta);
-            }
-            qs.push(q);
-            ks.push(k);
-            vs.push(matvec(&wv, &x, nkv * hd));
-        }
-        let group = nh / nkv;
-        for i in 0..hs.len() {
-            let mut attn = vec![0.0; nh * hd];
-            for h in 0..nh {
-                let kvh = h / group;
-                let q = &qs[i][h * hd..(h + 1) * hd];
-                let scores: Vec<f64> = (0..=i)
-                    .map(|j| {
-                        let k = &ks[j][kvh * hd..(kvh + 1) * hd];
-                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
-                    })
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::MIN, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for (j, ej) in e.iter().enumerate() {
-                    for t in 0..hd {
-                        attn[h * hd + t] += ej / z * vs[j][kvh * hd + t];
-                    }
-                }
-            }
-            let o = matvec(&wo, &attn, d);
-            hs[i].iter_mut().zip(o).for_each(|(h, o)| *h += o);
-        }
-        let ln2 = w(&format!("{p}.post_attention_layernorm.weight"));
-        let (wg, wu, wd) = (
-            w(&format!("{p}.mlp.gate_proj.weight")),
-            w(&format!("{p}.mlp.up_proj.weight")),
-            w(&format!("{p}.mlp.down_proj.weight")),
-        );
-        for h in hs.iter_mut() {
-            let x = rms_norm(h, Some(&ln2), eps);
-            let g = matvec(&wg, &x, c.intermediate_size);
-            let u = matvec(&wu, &x, c.intermediate_size);
-            let a: Vec<f64> = g
-                .iter()
-                .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let y = matvec(&wd, &a, d);
-            h.iter_mut().zip(y).for_each(|(h, y)| *h += y);
-        }
-    }
-    let x = rms_norm(hs.last().unwrap(), Some(&w("model.norm.weight")), eps);
-    let head = if ck.has_tensor("lm_head.weight") && !c.tie_word_embeddings {
-        w("lm_head.weight")
-    } else {
-        emb
-    };
-    matvec(&head, &x, c.vocab_size)
-        .into_iter()
-        .map(|v| v as f32)
-        .collect()
+    let all = Reference::from_checkpoint(ck).logits(tokens);
+    all.last().unwrap().iter().map(|&v| v as f32).collect()
 }
 
 fn flex_model(ck: &Checkpoint) -> Decoder {
@@ -184,6 +58,31 @@ fn burn_model_matches_host_reference_forward() {
     );
     let d = common::max_abs_diff(&got, &want);
     assert!(d < TOL, "burn vs host reference max |Δ| {d}");
+}
+
+/// The reference reads the same weights from either source: a checkpoint by its tensor names, or
+/// a model loaded from it, dense or in blocks (GGUF's Q8_0 and f16 tensors held natively).
+#[test]
+fn reference_from_checkpoint_equals_reference_from_model() {
+    let f = fixture();
+    for ck in [&f.hf, &f.gguf] {
+        let ids = prompt(9, ck.config.vocab_size);
+        let want = Reference::from_checkpoint(ck).logits(&ids);
+        for weights in [WeightFormat::F32, WeightFormat::Native] {
+            let m = common::load_with(ck, &Device::flex(), weights);
+            let got = Reference::from_decoder(&m).logits(&ids);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                let a: Vec<f32> = a.iter().map(|&v| v as f32).collect();
+                let d = max_abs_diff_f64(&a, b);
+                assert!(
+                    d < 1e-5,
+                    "{:?} {weights:?} ({}) position {i}: max |Δ| {d}",
+                    ck.format,
+                    m.weights_held()
+                );
+            }
+        }
+    }
 }
 
 #[test]
@@ -232,25 +131,8 @@ fn all_position_logits_end_with_prefill_logits() {
 }
 
 fn random_maps(model: &Decoder, split: usize, seed: u64) -> FillMaps {
-    let c = &model.config;
     let mut rng = tiny::Rng::new(seed);
-    let n = (c.hidden_size + 1) * c.kv_dim();
-    let mut maps = || {
-        (split..c.num_hidden_layers)
-            .map(|_| (0..n).map(|_| rng.next_f32()).collect())
-            .collect::<Vec<Vec<f32>>>()
-    };
-    let (k, v) = (maps(), maps());
-    FillMaps::from_host(
-        split,
-        c.hidden_size,
-        c.kv_dim(),
-        &k,
-        &v,
-        FloatDType::F32,
-        &model.device,
-    )
-    .unwrap()
+    testkit::fill::random_maps(model, split, || rng.next_f32())
 }
 
 #[test]

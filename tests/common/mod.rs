@@ -1,12 +1,13 @@
 //! Shared set-up for the integration tests.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
 use std::sync::{Once, OnceLock};
 
 use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::model::{Decoder, LoadOptions};
 use ridgefill::model::{Device, WeightFormat};
+#[allow(unused_imports)]
+pub use ridgefill_testkit::{max_abs_diff, repo};
 
 static INIT: Once = Once::new();
 
@@ -20,17 +21,12 @@ pub fn init() {
     });
 }
 
-pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+/// The `ridgefill` binary these tests run.
+pub const BIN: &str = env!("CARGO_BIN_EXE_ridgefill");
 
-pub fn golden() -> &'static serde_json::Value {
-    static G: OnceLock<serde_json::Value> = OnceLock::new();
-    G.get_or_init(|| {
-        let text = std::fs::read_to_string(repo().join("tests/golden/smollm2.json"))
-            .expect("tests/golden/smollm2.json (made by scripts/reference.py)");
-        serde_json::from_str(&text).expect("golden JSON parses")
-    })
+/// Runs the binary to completion: (success, stdout, stderr).
+pub fn ridgefill(args: &[&str]) -> (bool, String, String) {
+    ridgefill_testkit::cli::run(BIN, args)
 }
 
 /// The real SmolLM2 checkpoint, fetched through the project's own `fetch` when missing.
@@ -102,28 +98,4 @@ pub fn load_with(ckpt: &Checkpoint, device: &Device, weights: WeightFormat) -> D
 pub fn smollm2_flex() -> &'static Decoder {
     static M: OnceLock<Decoder> = OnceLock::new();
     M.get_or_init(|| load_on(smollm2_ckpt(), &Device::flex()))
-}
-
-pub fn ids_of(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array of ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
-pub fn floats_of(v: &serde_json::Value) -> Vec<f64> {
-    v.as_array()
-        .expect("array of numbers")
-        .iter()
-        .map(|x| x.as_f64().expect("number"))
-        .collect()
-}
-
-pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }

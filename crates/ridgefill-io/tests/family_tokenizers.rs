@@ -11,23 +11,15 @@ use std::path::{Path, PathBuf};
 use ridgefill_io::chat::{self, ChatMessage, ChatTemplate};
 use ridgefill_io::gguf::GgufFile;
 use ridgefill_io::tokenizer::{SpecialTokens, Tokenizer};
-use serde::Deserialize;
+use ridgefill_testkit::golden::{self, TokenizerCase};
 
 const GEMMA_ENV: &str = "RIDGEFILL_GEMMA3_GGUF";
 const DEFAULT_GEMMA: &str = "../../models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
-const GEMMA_GOLDEN: &str = "../../tests/golden/gemma3.json";
-const QWEN_GOLDEN: &str = "../../tests/golden/tiny_qwen.json";
 /// Control tokens the Gemma cases write in their text (parsed as single tokens).
 const GEMMA_CONTROL_TEXT: &[&str] = &["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"];
 
 fn manifest_path(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
-}
-
-fn read_json<T: for<'de> Deserialize<'de>>(rel: &str) -> T {
-    let path = manifest_path(rel);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The Gemma 3 GGUF, or `None` after saying why the test is skipped.
@@ -46,75 +38,26 @@ fn gemma_gguf(test: &str) -> Option<GgufFile> {
     Some(GgufFile::open(&path).expect("open the Gemma 3 GGUF"))
 }
 
-#[derive(Deserialize)]
-struct GemmaGolden {
-    tokenizer: Vec<GemmaCase>,
-    tokenizer_info: GemmaInfo,
-    score: GemmaScore,
-    prompts: Vec<GemmaPrompt>,
-    greedy: Vec<GemmaGreedy>,
-    chat: GemmaChat,
-}
-
-#[derive(Deserialize)]
-struct GemmaCase {
-    text: String,
-    ids_no_special: Vec<u32>,
-    ids_default: Vec<u32>,
-    decoded: String,
-    spm_ids: Vec<u32>,
-    spm_differs: bool,
-}
-
-#[derive(Deserialize)]
-struct GemmaInfo {
-    vocab_size: usize,
-    bos_token_id: u32,
-    eos_token_id: u32,
-    bos_added_by_default: bool,
-}
-
-#[derive(Deserialize)]
-struct GemmaScore {
-    file: String,
-    n_tokens: usize,
-    first_ids: Vec<u32>,
-    spm_ids_match: bool,
-}
-
-#[derive(Deserialize)]
-struct GemmaPrompt {
-    text: String,
-    ids: Vec<u32>,
-}
-
-#[derive(Deserialize)]
-struct GemmaGreedy {
-    prompt: usize,
-    ids: Vec<u32>,
-    text: String,
-}
-
-#[derive(Deserialize)]
-struct GemmaChat {
-    messages: Vec<ChatMessage>,
-    add_generation_prompt: bool,
-    chat_template: String,
-    chat_rendered: String,
-    chat_rendered_ids: Vec<u32>,
-    stop_ids: Vec<u32>,
-}
-
 /// The ids SentencePiece (and llama.cpp) give: transformers' except where the golden marks
 /// SentencePiece as different on plain text (runs of 32+ spaces); with control tokens in the
 /// text, transformers' (parsed) ids are the ones to follow.
-fn gemma_expected(case: &GemmaCase) -> &[u32] {
+fn gemma_expected(case: &TokenizerCase) -> &[u32] {
     let has_control = GEMMA_CONTROL_TEXT.iter().any(|t| case.text.contains(t));
-    if case.spm_differs && !has_control {
-        &case.spm_ids
+    if spm_differs(case) && !has_control {
+        spm_ids(case)
     } else {
         &case.ids_no_special
     }
+}
+
+/// SentencePiece's ids of a Gemma case.
+fn spm_ids(case: &TokenizerCase) -> &[u32] {
+    case.spm_ids.as_deref().expect("Gemma cases carry spm_ids")
+}
+
+/// Whether SentencePiece's ids differ from transformers' for a Gemma case.
+fn spm_differs(case: &TokenizerCase) -> bool {
+    case.spm_differs.expect("Gemma cases carry spm_differs")
 }
 
 #[test]
@@ -122,7 +65,7 @@ fn gemma3_tokenizer_matches_sentencepiece_and_transformers() {
     let Some(g) = gemma_gguf("gemma3_tokenizer_matches_sentencepiece_and_transformers") else {
         return;
     };
-    let golden: GemmaGolden = read_json(GEMMA_GOLDEN);
+    let golden = golden::gemma3();
     let tok = Tokenizer::from_gguf(&g).expect("Gemma 3 tokenizer from GGUF metadata");
     let info = &golden.tokenizer_info;
     assert_eq!(tok.vocab_size(), info.vocab_size);
@@ -135,14 +78,14 @@ fn gemma3_tokenizer_matches_sentencepiece_and_transformers() {
     for case in &golden.tokenizer {
         let text = &case.text;
         let want = gemma_expected(case);
-        if want == case.spm_ids.as_slice() && case.spm_differs {
+        if want == spm_ids(case) && spm_differs(case) {
             spm_cases += 1;
         }
         assert_eq!(tok.encode(text, false).unwrap(), want, "{text:?}");
         let mut with_bos = vec![info.bos_token_id];
         with_bos.extend_from_slice(want);
         assert_eq!(tok.encode(text, true).unwrap(), with_bos, "{text:?}");
-        if !case.spm_differs {
+        if !spm_differs(case) {
             assert_eq!(case.ids_default, with_bos, "golden is self-consistent");
         }
         assert_eq!(tok.decode(want, false).unwrap(), case.decoded, "{text:?}");
@@ -171,7 +114,7 @@ fn gemma3_prompts_score_text_and_greedy_text() {
     let Some(g) = gemma_gguf("gemma3_prompts_score_text_and_greedy_text") else {
         return;
     };
-    let golden: GemmaGolden = read_json(GEMMA_GOLDEN);
+    let golden = golden::gemma3();
     let tok = Tokenizer::from_gguf(&g).unwrap();
     for p in &golden.prompts {
         assert_eq!(tok.encode(&p.text, true).unwrap(), p.ids, "{:?}", p.text);
@@ -182,7 +125,8 @@ fn gemma3_prompts_score_text_and_greedy_text() {
     }
     let s = &golden.score;
     assert!(
-        s.spm_ids_match,
+        s.spm_ids_match
+            .expect("Gemma's score carries spm_ids_match"),
         "transformers and SentencePiece agree on the score text"
     );
     let text = std::fs::read_to_string(manifest_path(&format!("../../{}", s.file))).unwrap();
@@ -197,14 +141,14 @@ fn gemma3_builtin_chat_template_and_stop_ids() {
     let Some(g) = gemma_gguf("gemma3_builtin_chat_template_and_stop_ids") else {
         return;
     };
-    let golden: GemmaGolden = read_json(GEMMA_GOLDEN);
+    let golden = golden::gemma3();
     let c = &golden.chat;
     assert_eq!(chat::GEMMA3_CHAT_TEMPLATE, c.chat_template);
     assert!(g.opt_str(chat::KEY_CHAT_TEMPLATE).unwrap().is_none());
     let tok = Tokenizer::from_gguf(&g).unwrap();
     assert_eq!(
         tok.eos_ids(),
-        c.stop_ids,
+        c.stop_ids.clone().expect("Gemma's chat carries stop_ids"),
         "stop ids: <eos> and <end_of_turn>"
     );
     let tmpl = chat::gguf_template(&g, &tok, None)
@@ -245,42 +189,6 @@ fn builtin_templates_by_architecture() {
     );
 }
 
-#[derive(Deserialize)]
-struct QwenGolden {
-    models: std::collections::BTreeMap<String, QwenModel>,
-}
-
-#[derive(Deserialize)]
-struct QwenModel {
-    hf_folder: String,
-    gguf: String,
-    tokenizer: QwenTokenizer,
-    chat: QwenChat,
-}
-
-#[derive(Deserialize)]
-struct QwenTokenizer {
-    bos_added_by_default: bool,
-    specials: std::collections::BTreeMap<String, u32>,
-    cases: Vec<QwenCase>,
-}
-
-#[derive(Deserialize)]
-struct QwenCase {
-    text: String,
-    ids: Vec<u32>,
-    decoded: String,
-}
-
-#[derive(Deserialize)]
-struct QwenChat {
-    messages: Vec<ChatMessage>,
-    add_generation_prompt: bool,
-    template: String,
-    rendered: String,
-    rendered_ids: Vec<u32>,
-}
-
 /// tokenizer.json plus the special tokens of tokenizer_config.json, as `HfDir::open` reads them.
 fn qwen_hf_tokenizer(dir: &Path) -> (Tokenizer, ChatTemplate) {
     let cfg: serde_json::Value =
@@ -306,7 +214,7 @@ fn qwen_hf_tokenizer(dir: &Path) -> (Tokenizer, ChatTemplate) {
 
 #[test]
 fn tiny_qwen_tokenizers_match_transformers() {
-    let golden: QwenGolden = read_json(QWEN_GOLDEN);
+    let golden = golden::tiny_qwen();
     assert_eq!(golden.models.len(), 2);
     for (name, m) in &golden.models {
         let gguf = GgufFile::open(manifest_path(&format!("../../{}", m.gguf))).unwrap();

@@ -1,8 +1,6 @@
 //! Fill and statistics files: round trips, atomic writes, and one typed error per bad input,
 //! each naming the file and the field or tensor.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -12,6 +10,7 @@ use ridgefill_io::fill::{
     METADATA_KEY, ModelFingerprint,
 };
 use ridgefill_io::stats::{Moments, STATS_FORMAT_VERSION, StatsFile, StatsMeta};
+use ridgefill_testkit::{self as testkit, tiny};
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
 
@@ -86,17 +85,10 @@ fn fill() -> FillFile {
     }
 }
 
+/// [`testkit::assert_names`], and the error's own path is that file.
 fn assert_names(err: &IoError, path: &Path, needles: &[&str]) {
-    let msg = err.to_string();
-    assert_eq!(err.path(), path, "{msg}");
-    assert!(
-        msg.contains(&path.display().to_string()),
-        "message does not name {}: {msg}",
-        path.display()
-    );
-    for n in needles {
-        assert!(msg.contains(n), "message does not mention {n:?}: {msg}");
-    }
+    assert_eq!(err.path(), path, "{err}");
+    testkit::assert_names(err, path, needles);
 }
 
 fn dir_entries(dir: &Path) -> Vec<String> {
@@ -510,7 +502,7 @@ fn fingerprint_mismatch() {
 fn fingerprint_of_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
-    common::write_gguf(&common::tiny(), &path, &common::Faults::default());
+    tiny::write_gguf(&tiny::tiny(), &path, &tiny::Faults::default());
     let ckpt = ridgefill_io::Checkpoint::open(&path).unwrap();
     let fp = ModelFingerprint::of(&ckpt);
     let c = &ckpt.config;

@@ -5,7 +5,6 @@
 
 use std::path::{Path, PathBuf};
 
-use ridgefill_io::chat::ChatMessage;
 use ridgefill_io::checkpoint::{Checkpoint, CheckpointFormat};
 use ridgefill_io::gguf::GgufFile;
 use serde::Deserialize;
@@ -15,7 +14,6 @@ const DEFAULT_MODEL: &str = "../../models/cache/smollm2-135m/SmolLM2-135M-Instru
 /// Optional second model some dequant goldens refer to; those records are skipped when absent.
 const GEMMA_ENV: &str = "RIDGEFILL_GEMMA3_GGUF";
 const DEFAULT_GEMMA: &str = "../../models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
-const SMOLLM2_GOLDEN: &str = "../../tests/golden/smollm2.json";
 const DEQUANT_GOLDEN: &str = "tests/golden/dequant.json";
 /// numpy sums pairwise in f64 and we sum sequentially; both are far more precise than this.
 const SUM_REL_TOLERANCE: f64 = 1e-9;
@@ -50,28 +48,6 @@ fn read_json<T: for<'de> Deserialize<'de>>(rel: &str) -> T {
 }
 
 #[derive(Deserialize)]
-struct SmolGolden {
-    tokenizer: Vec<TokCase>,
-    chat: ChatCase,
-}
-
-#[derive(Deserialize)]
-struct TokCase {
-    text: String,
-    ids_no_special: Vec<u32>,
-    ids_default: Vec<u32>,
-    decoded: String,
-}
-
-#[derive(Deserialize)]
-struct ChatCase {
-    messages: Vec<ChatMessage>,
-    add_generation_prompt: bool,
-    chat_rendered: String,
-    chat_rendered_ids: Vec<u32>,
-}
-
-#[derive(Deserialize)]
 struct DequantGolden {
     real: Vec<RealRecord>,
 }
@@ -97,7 +73,7 @@ fn open() -> Checkpoint {
 #[test]
 fn tokenizer_matches_transformers() {
     let ckpt = open();
-    let golden: SmolGolden = read_json(SMOLLM2_GOLDEN);
+    let golden = ridgefill_testkit::golden::smollm2();
     let tok = &ckpt.tokenizer;
     for case in &golden.tokenizer {
         let plain = tok.encode(&case.text, false).unwrap();
@@ -132,7 +108,7 @@ fn tokenizer_matches_transformers() {
 #[test]
 fn chat_template_matches_transformers() {
     let ckpt = open();
-    let golden: SmolGolden = read_json(SMOLLM2_GOLDEN);
+    let golden = ridgefill_testkit::golden::smollm2();
     let tmpl = ckpt
         .chat_template
         .as_ref()

@@ -1,12 +1,10 @@
 //! The same tiny Llama as GGUF and as a HF directory must load identically.
 
-mod common;
-
-use common::*;
 use ridgefill_io::chat::ChatMessage;
 use ridgefill_io::checkpoint::{Checkpoint, CheckpointFormat};
 use ridgefill_io::config::{RopeScaling, llama3_rope_divisors};
 use ridgefill_io::gguf::{GgufFile, MetaArray, MetaValue};
+use ridgefill_testkit::tiny::*;
 
 fn both() -> (tempfile::TempDir, Checkpoint, Checkpoint) {
     let t = tiny();

@@ -6,6 +6,7 @@ use ridgefill_io::IoError;
 use ridgefill_io::text::{
     Document, TextKind, collect_documents, detag_brown, detect_kind, read_text_file,
 };
+use ridgefill_testkit::assert_names;
 
 /// The first three sentences of Brown file ca01, byte for byte (tab-indented sentences, blank lines between).
 const CA01_HEAD: &str = "\n\n\tThe/at Fulton/np-tl County/nn-tl Grand/jj-tl Jury/nn-tl said/vbd Friday/nr an/at investigation/nn of/in Atlanta's/np$ recent/jj primary/nn election/nn produced/vbd ``/`` no/at evidence/nn ''/'' that/cs any/dti irregularities/nns took/vbd place/nn ./.\n\n\n\tThe/at jury/nn further/rbr said/vbd in/in term-end/nn presentments/nns that/cs the/at City/nn-tl Executive/jj-tl Committee/nn-tl ,/, which/wdt had/hvd over-all/jj charge/nn of/in the/at election/nn ,/, ``/`` deserves/vbz the/at praise/nn and/cc thanks/nns of/in the/at City/nn-tl of/in-tl Atlanta/np-tl ''/'' for/in the/at manner/nn in/in which/wdt the/at election/nn was/bedz conducted/vbn ./.\n\n\n\tThe/at September-October/np term/nn jury/nn had/hvd been/ben charged/vbn by/in Fulton/np-tl Superior/jj-tl Court/nn-tl Judge/nn-tl Durwood/np Pye/np to/to investigate/vb reports/nns of/in possible/jj ``/`` irregularities/nns ''/'' in/in the/at hard-fought/jj primary/nn which/wdt was/bedz won/vbn by/in Mayor-nominate/nn-tl Ivan/np Allen/np Jr./np ./.\n";
@@ -25,18 +26,6 @@ fn tmp() -> tempfile::TempDir {
 fn write(path: &Path, bytes: impl AsRef<[u8]>) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(path, bytes).unwrap();
-}
-
-fn assert_names(err: &IoError, path: &Path, needles: &[&str]) {
-    let msg = err.to_string();
-    assert!(
-        msg.contains(&path.display().to_string()),
-        "message does not name {}: {msg}",
-        path.display()
-    );
-    for n in needles {
-        assert!(msg.contains(n), "message does not mention {n:?}: {msg}");
-    }
 }
 
 #[test]

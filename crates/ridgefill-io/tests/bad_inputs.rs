@@ -1,14 +1,13 @@
 //! Corrupt or inconsistent inputs give typed errors naming the file and the field or tensor.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::*;
 use ridgefill_io::IoError;
 use ridgefill_io::checkpoint::Checkpoint;
 use ridgefill_io::gguf::GgufFile;
 use ridgefill_io::gguf::writer::GgufWriter;
+use ridgefill_testkit::assert_names;
+use ridgefill_testkit::tiny::*;
 
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()

@@ -1,5 +1,4 @@
 //! A tiny random Llama written both as GGUF (llama.cpp conventions) and as a HF directory.
-#![allow(dead_code)]
 
 use std::path::Path;
 
@@ -525,19 +524,6 @@ pub fn write_hf_dir(t: &Tiny, dir: &Path, faults: &Faults) {
     }
     let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
-}
-
-/// Asserts an error message names the file and every given needle.
-pub fn assert_names(err: &ridgefill_io::IoError, path: &Path, needles: &[&str]) {
-    let msg = err.to_string();
-    assert!(
-        msg.contains(&path.display().to_string()),
-        "message does not name {}: {msg}",
-        path.display()
-    );
-    for n in needles {
-        assert!(msg.contains(n), "message does not mention {n:?}: {msg}");
-    }
 }
 
 /// Text from a small word list the tiny tokenizer covers (calibration and prompt fixtures).
