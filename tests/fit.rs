@@ -14,7 +14,7 @@ use ridgefill_fit::calibrate::{
     CalibConfig, Control, accumulate_window, accumulate_window_splits, calibrate,
     calibrate_splits_with,
 };
-use ridgefill_fit::solve::{
+use ridgefill_fit::{
     AlphaChoice, FitOptions, SplitBudget, default_split_candidates, fit_fill,
     fit_fill_split_search, ridge_solve,
 };

@@ -10,8 +10,9 @@ use ridgefill::model::{DeviceChoice, FloatDType, WeightFormat};
 use ridgefill::session::{LoadArgs, load};
 use ridgefill_fit::FitError;
 use ridgefill_fit::calibrate::{CalibConfig, Control, calibrate_splits_with, calibrate_with};
-use ridgefill_fit::solve::{
-    AlphaChoice, DEFAULT_ALPHA_GRID, FitOptions, SplitBudget, SplitEvent, default_split_candidates,
+use ridgefill_fit::solve::DEFAULT_ALPHA_GRID;
+use ridgefill_fit::{
+    AlphaChoice, FitOptions, SplitBudget, SplitEvent, default_split_candidates,
     fit_fill_split_search, fit_fill_until,
 };
 

@@ -7,17 +7,19 @@
 //! ([`calibrate_splits_with`], [`fit_fill_split_search`]).
 
 pub mod calibrate;
+pub mod heldout;
+pub mod pipeline;
 pub mod solve;
+pub mod split_search;
 
 pub use calibrate::{
     CalibConfig, Calibration, Control, Progress, SplitCalibration, calibrate,
     calibrate_splits_with, calibrate_with,
 };
-pub use solve::{
-    AlphaChoice, FitOptions, HeldoutFidelity, MIN_ROWS_PER_FEATURE, SplitBudget, SplitEvent,
-    default_split_candidates, fit_fill, fit_fill_split_search, fit_fill_until, min_rows,
-    ridge_solve,
-};
+pub use heldout::HeldoutFidelity;
+pub use pipeline::{fit_fill, fit_fill_until};
+pub use solve::{AlphaChoice, FitOptions, MIN_ROWS_PER_FEATURE, min_rows, ridge_solve};
+pub use split_search::{SplitBudget, SplitEvent, default_split_candidates, fit_fill_split_search};
 
 use std::path::PathBuf;
 
@@ -79,9 +81,9 @@ pub enum FitError {
     },
     /// `--split auto`: no candidate split is within the quality budget. Carries every
     /// candidate measured, so a caller can show them.
-    #[error("{}", solve::no_split_message(.budget, .trials))]
+    #[error("{}", split_search::no_split_message(.budget, .trials))]
     NoSplitWithinBudget {
-        budget: solve::SplitBudget,
+        budget: split_search::SplitBudget,
         trials: Vec<ridgefill_io::fill::SplitTrial>,
     },
     /// The caller's stop hook asked the pass or the solve to end early.
