@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use crate::fill::FieldMismatch;
 use crate::quant::QuantError;
 
 /// Result alias used across the crate.
@@ -274,5 +273,26 @@ impl IoError {
             action,
             source,
         }
+    }
+}
+
+/// One field on which a file's model and the model in use differ.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldMismatch {
+    pub field: &'static str,
+    /// The value recorded in the file.
+    pub file: String,
+    /// The value of the model in use.
+    pub model: String,
+}
+
+impl FieldMismatch {
+    /// "weights_hash A, this model has B; hidden_size ..." for error messages.
+    pub fn describe_all(fields: &[FieldMismatch]) -> String {
+        fields
+            .iter()
+            .map(|m| format!("{} {}, this model has {}", m.field, m.file, m.model))
+            .collect::<Vec<_>>()
+            .join("; and with ")
     }
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::Checkpoint;
-use crate::error::{IoError, Result};
+use crate::error::{FieldMismatch, IoError, Result};
 
 pub(crate) mod container;
 
@@ -130,27 +130,6 @@ impl ModelFingerprint {
             });
         }
         Ok(())
-    }
-}
-
-/// One field on which a file's model and the model in use differ.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FieldMismatch {
-    pub field: &'static str,
-    /// The value recorded in the file.
-    pub file: String,
-    /// The value of the model in use.
-    pub model: String,
-}
-
-impl FieldMismatch {
-    /// "weights_hash A, this model has B; hidden_size ..." for error messages.
-    pub fn describe_all(fields: &[FieldMismatch]) -> String {
-        fields
-            .iter()
-            .map(|m| format!("{} {}, this model has {}", m.field, m.file, m.model))
-            .collect::<Vec<_>>()
-            .join("; and with ")
     }
 }
 
