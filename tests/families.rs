@@ -202,16 +202,7 @@ fn skip_fill_with_every_row_exact_equals_full_prefill_on_every_family() {
                 tail: 3,
                 ..FillRows::default()
             };
-            let got = to_host_f32(
-                Prefill::run(
-                    &m,
-                    &ids[..N],
-                    &mut m.new_cache(N),
-                    FillOptions::fill(&maps, rows),
-                )
-                .map(|f| f.logits)
-                .unwrap(),
-            );
+            let got = fill::fill_logits(&m, &ids[..N], &maps, rows);
             assert!(got.iter().all(|x| x.is_finite()), "{name}");
             assert!(
                 common::max_abs_diff(&full, &got) > 1e-4,

@@ -8,6 +8,7 @@ use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::model::Decoder;
 use ridgefill::model::fill::{self, FillMaps, FillOptions, FillRows, Oracle, Prefill};
 use ridgefill::model::{Device, FloatDType, Weight, WeightFormat, to_host_f32};
+use ridgefill_testkit::fill::fill_logits;
 use ridgefill_testkit::reference::{Reference, max_abs_diff_f64};
 use ridgefill_testkit::{self as testkit, prompt, tiny};
 
@@ -147,16 +148,7 @@ fn skip_fill_with_whole_prompt_as_tail_equals_full_prefill() {
         tail: ids.len(),
         ..FillRows::default()
     };
-    let fill = to_host_f32(
-        Prefill::run(
-            &model,
-            &ids,
-            &mut model.new_cache(10),
-            FillOptions::fill(&maps, rows),
-        )
-        .map(|f| f.logits)
-        .unwrap(),
-    );
+    let fill = fill_logits(&model, &ids, &maps, rows);
     assert!(common::max_abs_diff(&full, &fill) < 1e-5);
 }
 
@@ -231,26 +223,8 @@ fn wgpu_matches_flex_on_tiny_model() {
         tail: 4,
         ..FillRows::default()
     };
-    let a = to_host_f32(
-        Prefill::run(
-            &flex,
-            &ids,
-            &mut flex.new_cache(13),
-            FillOptions::fill(&maps, rows),
-        )
-        .map(|f| f.logits)
-        .unwrap(),
-    );
-    let b = to_host_f32(
-        Prefill::run(
-            &gpu,
-            &ids,
-            &mut gpu.new_cache(13),
-            FillOptions::fill(&maps_gpu, rows),
-        )
-        .map(|f| f.logits)
-        .unwrap(),
-    );
+    let a = fill_logits(&flex, &ids, &maps, rows);
+    let b = fill_logits(&gpu, &ids, &maps_gpu, rows);
     let d = common::max_abs_diff(&a, &b);
     assert!(d < TOL, "skip-fill flex vs wgpu max |Δ| {d}");
     // Query-chosen spans and the per-prompt update: masks, gathers and the k×k solve.
@@ -262,26 +236,8 @@ fn wgpu_matches_flex_on_tiny_model() {
         .with_adapt(&eye, 100.0, FloatDType::F32, &dev.device)
         .unwrap();
     let rows = spans_rows(4, 0.2, 1);
-    let a = to_host_f32(
-        Prefill::run(
-            &flex,
-            &ids,
-            &mut flex.new_cache(13),
-            FillOptions::fill(&maps, rows),
-        )
-        .map(|f| f.logits)
-        .unwrap(),
-    );
-    let b = to_host_f32(
-        Prefill::run(
-            &gpu,
-            &ids,
-            &mut gpu.new_cache(13),
-            FillOptions::fill(&maps_gpu, rows),
-        )
-        .map(|f| f.logits)
-        .unwrap(),
-    );
+    let a = fill_logits(&flex, &ids, &maps, rows);
+    let b = fill_logits(&gpu, &ids, &maps_gpu, rows);
     let d = common::max_abs_diff(&a, &b);
     assert!(d < TOL, "spans-adapt flex vs wgpu max |Δ| {d}");
 }
@@ -351,26 +307,8 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
     };
     check(
         "skip-and-fill prefill",
-        to_host_f32(
-            Prefill::run(
-                &fused,
-                &ids[..PROMPT],
-                &mut fused.new_cache(PROMPT),
-                FillOptions::fill(&maps, rows),
-            )
-            .map(|f| f.logits)
-            .unwrap(),
-        ),
-        to_host_f32(
-            Prefill::run(
-                &plain,
-                &ids[..PROMPT],
-                &mut plain.new_cache(PROMPT),
-                FillOptions::fill(&maps, rows),
-            )
-            .map(|f| f.logits)
-            .unwrap(),
-        ),
+        fill_logits(&fused, &ids[..PROMPT], &maps, rows),
+        fill_logits(&plain, &ids[..PROMPT], &maps, rows),
     );
     let eye = stand_in_precision(&fused);
     let maps = maps
@@ -392,16 +330,7 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
     check(
         "spans-adapt prefill",
         to_host_f32(a),
-        to_host_f32(
-            Prefill::run(
-                &plain,
-                &ids[..PROMPT],
-                &mut plain.new_cache(PROMPT),
-                FillOptions::fill(&maps, rows),
-            )
-            .map(|f| f.logits)
-            .unwrap(),
-        ),
+        fill_logits(&plain, &ids[..PROMPT], &maps, rows),
     );
 }
 
