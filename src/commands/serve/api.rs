@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -54,6 +54,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -111,6 +112,29 @@ async fn not_found() -> ApiError {
         param: None,
         code: Some("not_found"),
     }
+}
+
+/// A known path asked with the wrong method: 405 in OpenAI's error shape (axum's own is an empty
+/// body), naming the method the path takes.
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let allowed = match uri.path() {
+        "/v1/chat/completions" | "/v1/completions" => "POST",
+        _ => "GET",
+    };
+    let err = ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!(
+            "method {method} is not allowed on {}: use {allowed}",
+            uri.path()
+        ),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("method_not_allowed"),
+    };
+    let mut r = err.into_response();
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allowed));
+    r
 }
 
 async fn health() -> axum::Json<Value> {
