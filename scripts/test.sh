@@ -22,6 +22,23 @@ if ! ldconfig -p | grep -q libvulkan.so.1 || ! ls /usr/share/vulkan/icd.d/*.json
   fi
 fi
 
+# The official openai client, which tests/serve.rs drives against the server: a venv of its own
+# outside the clone (RIDGEFILL_PYTHON names an interpreter that already has it).
+if [ -z "${RIDGEFILL_PYTHON:-}" ]; then
+  venv="${RIDGEFILL_OPENAI_VENV:-$HOME/.cache/ridgefill-openai-venv}"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import openai' 2>/dev/null; then
+    echo "== a venv with the openai client for tests/serve.rs: $venv"
+    if ! python3 -m venv "$venv" 2>/dev/null; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+      fi
+      python3 -m venv "$venv"
+    fi
+    "$venv/bin/pip" install -q openai
+  fi
+  export RIDGEFILL_PYTHON="$venv/bin/python"
+fi
+
 # Every model a test uses, through the project's own fetch (the same release build as the tests).
 for model in smollm2-135m gemma3-270m; do
   cargo run --release --quiet -- fetch "$model"

@@ -1,8 +1,8 @@
 //! `ridgefill serve` end to end on 127.0.0.1 with the real SmolLM2: chat and text completions,
 //! plain and streamed; every bad request gets its OpenAI-shaped 4xx and the server keeps
 //! answering; concurrent greedy requests give the outputs they give alone; SIGTERM stops the
-//! server cleanly. With `RIDGEFILL_PYTHON` set to an interpreter that has the `openai` package
-//! (`.ci/run` installs one), `scripts/openai_client_check.py` also talks to it.
+//! server cleanly. `RIDGEFILL_PYTHON` must name an interpreter that has the `openai` package
+//! (`scripts/test.sh` sets one up), through which `scripts/openai_client_check.py` talks to it.
 
 mod common;
 
@@ -131,6 +131,25 @@ fn serve_answers_openai_requests_batches_and_stops() {
     let port = server.port;
 
     // Plain chat completion.
+    // A known path with the wrong method: 405 with the same JSON error shape, not an empty body.
+    for (method, path, allow) in [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("GET", "/v1/completions", "POST"),
+        ("POST", "/health", "GET"),
+    ] {
+        let (status, head, text) = http(port, method, path, b"");
+        assert_eq!(status, 405, "{method} {path}: {text}");
+        let v: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|_| panic!("{method} {path}: not JSON: {text:?}"));
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("not allowed") && msg.contains(allow),
+            "{msg:?}"
+        );
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        let allow_header = format!("allow: {}", allow.to_ascii_lowercase());
+        assert!(head.contains(&allow_header), "{head}");
+    }
     let (status, r) = post(
         port,
         "/v1/chat/completions",
@@ -372,8 +391,11 @@ fn serve_answers_openai_requests_batches_and_stops() {
     assert_eq!(status, 200);
     assert!(models.contains("\"object\":\"list\""), "{models}");
 
-    // The official client, where an interpreter with it was provided.
-    if let Some(py) = std::env::var_os("RIDGEFILL_PYTHON") {
+    // The official client (scripts/test.sh provides an interpreter with it).
+    {
+        let py = std::env::var_os("RIDGEFILL_PYTHON").expect(
+            "RIDGEFILL_PYTHON must name a Python with the openai package (scripts/test.sh sets it up)",
+        );
         let out = Command::new(py)
             .arg(common::repo().join("scripts/openai_client_check.py"))
             .arg(format!("http://127.0.0.1:{port}/v1"))
