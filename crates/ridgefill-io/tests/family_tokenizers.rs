@@ -3,8 +3,8 @@
 //! `tests/golden/tiny_qwen.json` (scripts/tiny_qwen.py).
 //!
 //! The Gemma 3 270M GGUF is not in git: `cargo run --release -- fetch gemma3-270m` puts it in
-//! models/cache (`RIDGEFILL_GEMMA3_GGUF` overrides the path); its tests say they were skipped when
-//! it is absent. The tiny Qwen models are in tests/data and always run.
+//! models/cache (`RIDGEFILL_GEMMA3_GGUF` overrides the path; scripts/test.sh fetches it); its
+//! tests fail, saying so, when it is absent. The tiny Qwen models are in tests/data.
 
 use std::path::{Path, PathBuf};
 
@@ -22,20 +22,18 @@ fn manifest_path(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
 }
 
-/// The Gemma 3 GGUF, or `None` after saying why the test is skipped.
-fn gemma_gguf(test: &str) -> Option<GgufFile> {
+/// The Gemma 3 GGUF; a missing file fails the test, saying how to fetch it.
+fn gemma_gguf() -> GgufFile {
     let path = std::env::var_os(GEMMA_ENV)
         .map(PathBuf::from)
         .unwrap_or_else(|| manifest_path(DEFAULT_GEMMA));
-    if !path.is_file() {
-        eprintln!(
-            "{test}: SKIPPED: Gemma 3 GGUF not found at {} (set {GEMMA_ENV}, or run \
-             `cargo run --release -- fetch gemma3-270m`)",
-            path.display()
-        );
-        return None;
-    }
-    Some(GgufFile::open(&path).expect("open the Gemma 3 GGUF"))
+    assert!(
+        path.is_file(),
+        "Gemma 3 GGUF not found at {} (set {GEMMA_ENV}, or run `cargo run --release -- fetch \
+         gemma3-270m`; scripts/test.sh does)",
+        path.display()
+    );
+    GgufFile::open(&path).expect("open the Gemma 3 GGUF")
 }
 
 /// The ids SentencePiece (and llama.cpp) give: transformers' except where the golden marks
@@ -62,9 +60,7 @@ fn spm_differs(case: &TokenizerCase) -> bool {
 
 #[test]
 fn gemma3_tokenizer_matches_sentencepiece_and_transformers() {
-    let Some(g) = gemma_gguf("gemma3_tokenizer_matches_sentencepiece_and_transformers") else {
-        return;
-    };
+    let g = gemma_gguf();
     let golden = golden::gemma3();
     let tok = Tokenizer::from_gguf(&g).expect("Gemma 3 tokenizer from GGUF metadata");
     let info = &golden.tokenizer_info;
@@ -111,9 +107,7 @@ fn gemma3_tokenizer_matches_sentencepiece_and_transformers() {
 
 #[test]
 fn gemma3_prompts_score_text_and_greedy_text() {
-    let Some(g) = gemma_gguf("gemma3_prompts_score_text_and_greedy_text") else {
-        return;
-    };
+    let g = gemma_gguf();
     let golden = golden::gemma3();
     let tok = Tokenizer::from_gguf(&g).unwrap();
     for p in &golden.prompts {
@@ -138,9 +132,7 @@ fn gemma3_prompts_score_text_and_greedy_text() {
 
 #[test]
 fn gemma3_builtin_chat_template_and_stop_ids() {
-    let Some(g) = gemma_gguf("gemma3_builtin_chat_template_and_stop_ids") else {
-        return;
-    };
+    let g = gemma_gguf();
     let golden = golden::gemma3();
     let c = &golden.chat;
     assert_eq!(chat::GEMMA3_CHAT_TEMPLATE, c.chat_template);

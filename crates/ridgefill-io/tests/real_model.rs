@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 const MODEL_ENV: &str = "RIDGEFILL_SMOLLM2_GGUF";
 const DEFAULT_MODEL: &str = "../../models/cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
-/// Optional second model some dequant goldens refer to; those records are skipped when absent.
+/// The second model some dequant goldens refer to (fetched by scripts/test.sh; required).
 const GEMMA_ENV: &str = "RIDGEFILL_GEMMA3_GGUF";
 const DEFAULT_GEMMA: &str = "../../models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
 const DEQUANT_GOLDEN: &str = "tests/golden/dequant.json";
@@ -34,11 +34,16 @@ fn model_path() -> PathBuf {
     path
 }
 
-fn gemma_path() -> Option<PathBuf> {
+fn gemma_path() -> PathBuf {
     let path = std::env::var_os(GEMMA_ENV)
         .map(PathBuf::from)
         .unwrap_or_else(|| manifest_path(DEFAULT_GEMMA));
-    path.is_file().then_some(path)
+    assert!(
+        path.is_file(),
+        "Gemma 3 GGUF not found at {} (set {GEMMA_ENV}); run `cargo run --release -- fetch gemma3-270m` first (scripts/test.sh does)",
+        path.display()
+    );
+    path
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(rel: &str) -> T {
@@ -176,17 +181,13 @@ fn dequant_matches_python_gguf_on_real_tensors() {
     for rec in &golden.real {
         let path = if smol.file_name().is_some_and(|f| f == rec.model.as_str()) {
             smol.clone()
-        } else if let Some(g) = gemma
-            .as_ref()
-            .filter(|g| g.file_name().is_some_and(|f| f == rec.model.as_str()))
-        {
-            g.clone()
+        } else if gemma.file_name().is_some_and(|f| f == rec.model.as_str()) {
+            gemma.clone()
         } else {
-            eprintln!(
-                "skipping {} / {}: model file not present",
+            panic!(
+                "{} / {}: the golden file names a model this test does not know",
                 rec.model, rec.tensor
             );
-            continue;
         };
         let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{e}"));
         let info = file

@@ -13,23 +13,23 @@ use ridgefill_quant::{
     GgmlType, MatmulConfig, MatmulPath, QMatrix, QWeight, SimdLevel, WeightBytes,
 };
 
-/// Where the models live: `RIDGEFILL_MODELS` or the main checkout's cache.
+/// Where the models live: `RIDGEFILL_MODELS` or this checkout's `models/cache`.
 fn models_dir() -> PathBuf {
     std::env::var_os("RIDGEFILL_MODELS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/work/main/models/cache"))
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/cache"))
 }
 
-fn open(rel: &str) -> Option<Arc<GgufFile>> {
+/// A fetched model; a missing one fails the test, saying how to fetch it.
+fn open(rel: &str) -> Arc<GgufFile> {
     let path = models_dir().join(rel);
-    if !Path::new(&path).exists() {
-        eprintln!(
-            "skipped: {} not found (set RIDGEFILL_MODELS)",
-            path.display()
-        );
-        return None;
-    }
-    Some(Arc::new(GgufFile::open(&path).expect("readable GGUF")))
+    assert!(
+        path.is_file(),
+        "{} not found: run `cargo run --release -- fetch smollm2-135m` and `… fetch gemma3-270m` \
+         first (scripts/test.sh does), or set RIDGEFILL_MODELS",
+        path.display()
+    );
+    Arc::new(GgufFile::open(&path).expect("readable GGUF"))
 }
 
 const SMOLLM: &str = "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -99,19 +99,19 @@ fn check_file(file: &Arc<GgufFile>) {
 
 #[test]
 fn smollm2_tensors() {
-    let Some(file) = open(SMOLLM) else { return };
+    let file = open(SMOLLM);
     check_file(&file);
 }
 
 #[test]
 fn gemma3_tensors() {
-    let Some(file) = open(GEMMA) else { return };
+    let file = open(GEMMA);
     check_file(&file);
 }
 
 #[test]
 fn gemma3_fused_qkv_of_mixed_types() {
-    let Some(file) = open(GEMMA) else { return };
+    let file = open(GEMMA);
     // Q4_K_M keeps some attn_v in Q6_K: find a layer whose q/k/v types differ if there is one.
     let ty = |n: &str| file.tensor_info(n).map(|t| t.ggml_type);
     let layer = (0..64)
