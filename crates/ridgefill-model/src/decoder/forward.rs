@@ -123,31 +123,6 @@ impl Decoder {
         self.run_layers(h, layers, cache, pos, None)
     }
 
-    /// [`Decoder::forward_layers`] over `h`'s rows [`PREFILL_CHUNK`] at a time, each chunk through
-    /// all of `layers` before the next (as causal attention allows): the prompt-length passes
-    /// of skip-and-fill keep the same bounded activations as [`Decoder::prefill`].
-    ///
-    /// # Shapes
-    /// - h: `[m, hidden]` → `[m, hidden]`
-    pub fn forward_layers_chunked(
-        &self,
-        h: Tensor<2>,
-        layers: Range<usize>,
-        cache: &mut KvCache,
-        pos: usize,
-    ) -> Result<Tensor<2>> {
-        let m = h.dims()[0];
-        if m <= PREFILL_CHUNK {
-            return self.forward_layers(h, layers, cache, pos);
-        }
-        let mut out = Vec::with_capacity(m.div_ceil(PREFILL_CHUNK));
-        for c0 in (0..m).step_by(PREFILL_CHUNK) {
-            let rows = h.clone().narrow(0, c0, PREFILL_CHUNK.min(m - c0));
-            out.push(self.forward_layers(rows, layers.clone(), cache, pos + c0)?);
-        }
-        Ok(Tensor::cat(out, 0))
-    }
-
     /// As [`Decoder::forward_layers`], also returning each layer's pre-RoPE K and V (calibration
     /// targets).
     ///
