@@ -71,7 +71,15 @@ pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Decoder) -> Result<(Fil
         };
         maps = maps.with_adapt(p, weight, model.dtype, &model.device)?;
     }
-    Ok((file, maps))
+    Ok((file, maps.with_breaks(line_breaks(&ckpt.tokenizer))))
+}
+
+/// The ids of every token whose text holds a line break: where a prompt's final question can
+/// start ([`FillRows::for_prompt`]).
+pub fn line_breaks(tok: &ridgefill_io::tokenizer::Tokenizer) -> Vec<u32> {
+    (0..tok.vocab_size() as u32)
+        .filter(|&id| tok.decode(&[id], false).is_ok_and(|t| t.contains('\n')))
+        .collect()
 }
 
 /// [`load_maps`] then [`configure`]: the fill file at `path` ready to run as `choice` says.
@@ -109,6 +117,8 @@ pub fn configure(
         tail: choice.tail,
         exact,
         span,
+        question: choice.question,
+        max_error: choice.max_error.unwrap_or(f64::INFINITY),
     };
     let (mut maps, rows) = method.configure(maps, rows)?;
     if let (Some(w), Some(a)) = (choice.adapt_weight, maps.adapt.as_mut()) {
@@ -126,4 +136,8 @@ pub struct MethodChoice {
     pub adapt_weight: Option<f64>,
     pub sink: usize,
     pub tail: usize,
+    /// Longest tail grown back to the final question (0: fixed tail).
+    pub question: usize,
+    /// Self-check threshold on the maps' relative error (`None`: never fall back).
+    pub max_error: Option<f64>,
 }

@@ -176,6 +176,7 @@ fn skip_fill_with_every_row_exact_equals_full_prefill_on_every_family() {
                 tail: 3,
                 exact: 1.0,
                 span: N,
+                ..FillRows::default()
             };
             for rows in [tail, spans] {
                 let mut cache = m.new_cache(N + 1);

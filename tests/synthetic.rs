@@ -217,6 +217,7 @@ fn wgpu_matches_flex_on_tiny_model() {
         w: maps.w.clone().to_device(&dev.device),
         adapt: None,
         fill_unread: false,
+        breaks: Vec::new(),
     };
     let rows = FillRows {
         sink: 1,
@@ -348,7 +349,88 @@ fn spans_rows(tail: usize, exact: f64, span: usize) -> FillRows {
         tail,
         exact,
         span,
+        ..FillRows::default()
     }
+}
+
+/// The self-check: random maps err on every exact row, so a threshold of zero sends the prompt
+/// through every layer exactly — full prefill's logits and cache, chunk for chunk — while no
+/// threshold keeps the fill; the report says which happened.
+#[test]
+fn a_failed_self_check_runs_the_prompt_exactly() {
+    common::init();
+    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
+    let model = gqa_model(4, true);
+    let ids = prompt(N + 1, model.config.vocab_size);
+    let mut full_cache = model.new_cache(N + 1);
+    let full = to_host_f32(model.prefill(&ids[..N], &mut full_cache).unwrap());
+    let full_next = to_host_f32(model.decode_step(ids[N], &mut full_cache).unwrap());
+    let maps = random_maps(&model, 2, 21);
+    let strict = FillRows {
+        max_error: 0.0,
+        ..spans_rows(4, 0.1, 4)
+    };
+    let mut cache = model.new_cache(N + 1);
+    let f = Prefill::run(
+        &model,
+        &ids[..N],
+        &mut cache,
+        FillOptions::fill(&maps, strict),
+    )
+    .unwrap();
+    assert!(f.report.fell_back, "{:?}", f.report);
+    assert_eq!((f.report.filled, f.report.prompt), (0, N));
+    assert!(f.report.error.is_some_and(|e| e > 0.0), "{:?}", f.report);
+    assert!(f.spans.is_empty());
+    assert_eq!(to_host_f32(f.logits), full, "fallback vs full prefill");
+    let next = to_host_f32(model.decode_step(ids[N], &mut cache).unwrap());
+    assert_eq!(next, full_next, "decode after the fallback");
+
+    let lax = spans_rows(4, 0.1, 4);
+    let f = Prefill::run(
+        &model,
+        &ids[..N],
+        &mut model.new_cache(N),
+        FillOptions::fill(&maps, lax),
+    )
+    .unwrap();
+    let spanned: usize = f.spans.iter().map(|s| s.len()).sum();
+    assert!(!f.report.fell_back);
+    assert_eq!(f.report.filled, N - 1 - 4 - spanned);
+    assert!(common::max_abs_diff(&full, &to_host_f32(f.logits)) > 1e-3);
+}
+
+/// With the maps' line-break ids, the exact tail reaches back to the last line break before
+/// the final question (here 30 rows from the end), not the fixed `tail`.
+#[test]
+fn the_exact_tail_grows_to_the_final_question() {
+    common::init();
+    const N: usize = 200;
+    const BREAK: u32 = 7;
+    let model = gqa_model(4, true);
+    let mut ids: Vec<u32> = prompt(N, model.config.vocab_size)
+        .into_iter()
+        .map(|t| if t == BREAK { BREAK + 1 } else { t })
+        .collect();
+    ids[N - 31] = BREAK;
+    let rows = FillRows {
+        question: 64,
+        ..spans_rows(4, 0.0, 0)
+    };
+    let run = |maps: &FillMaps| {
+        Prefill::run(
+            &model,
+            &ids,
+            &mut model.new_cache(N),
+            FillOptions::fill(maps, rows),
+        )
+        .unwrap()
+        .report
+    };
+    let maps = random_maps(&model, 2, 21);
+    assert_eq!(run(&maps).tail, 4, "no line-break ids: the fixed tail");
+    let report = run(&maps.with_breaks(vec![BREAK]));
+    assert_eq!((report.tail, report.filled), (30, N - 1 - 30));
 }
 
 /// A random GQA model of `layers` layers for the span tests.

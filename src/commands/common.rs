@@ -136,6 +136,14 @@ pub struct RowArgs {
     /// Weight of one exact row against one calibration row in the per-prompt update.
     #[arg(long, value_parser = parse_weight)]
     pub adapt_weight: Option<f64>,
+    /// Longest exact tail grown back to the prompt's last line break, so the final question
+    /// runs every layer whole (0: the tail stays --tail tokens).
+    #[arg(long, default_value_t = ridgefill::model::fill::DEFAULT_QUESTION_TAIL)]
+    pub question_tail: usize,
+    /// Self-check: when the fill maps' relative error on the prompt's exact rows exceeds this,
+    /// the prompt runs every layer exactly after all (full prefill's answer, at full cost).
+    #[arg(long, value_parser = parse_weight)]
+    pub max_fill_error: Option<f64>,
 }
 
 impl RowArgs {
@@ -157,6 +165,8 @@ impl RowArgs {
             adapt_weight: self.adapt_weight,
             sink: self.sink,
             tail: self.tail,
+            question: self.question_tail,
+            max_error: self.max_fill_error,
         }
     }
 }

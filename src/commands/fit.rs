@@ -474,6 +474,8 @@ pub fn fit_options(rows: &RowArgs, alpha: AlphaChoice) -> FitOptions {
             tail: rows.tail,
             exact: rows.exact.unwrap_or(DEFAULT_EXACT),
             span: rows.span.unwrap_or(DEFAULT_SPAN_RADIUS),
+            question: rows.question_tail,
+            max_error: rows.max_fill_error.unwrap_or(f64::INFINITY),
         },
         method: rows.method.unwrap_or(FillMethod::DEFAULT),
         adapt_weight: rows.adapt_weight.unwrap_or(DEFAULT_ADAPT_WEIGHT),

@@ -165,12 +165,12 @@ pub fn run(a: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
 
     let t0 = Instant::now();
-    let logits = match &maps {
+    let (logits, report) = match &maps {
         Some((_, maps, rows)) => {
-            Prefill::run(model, &ids, &mut cache, FillOptions::fill(maps, *rows))
-                .map(|f| f.logits)?
+            let f = Prefill::run(model, &ids, &mut cache, FillOptions::fill(maps, *rows))?;
+            (f.logits, Some(f.report))
         }
-        None => model.prefill(&ids, &mut cache)?,
+        None => (model.prefill(&ids, &mut cache)?, None),
     };
     let logits = to_host_f32(logits);
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -207,9 +207,14 @@ pub fn run(a: Args) -> Result<()> {
     writeln!(out)?;
     let decode_s = t1.elapsed().as_secs_f64();
     let n = ids.len();
-    let mode = match &maps {
-        Some((method, m, rows)) => format!("fill s={} {method} exact {}", m.split, rows.exact),
-        None => "full".to_string(),
+    let mode = match (&maps, report) {
+        (Some((method, m, rows)), Some(r)) => format!(
+            "fill s={} {method} exact {} | {}",
+            m.split,
+            rows.exact,
+            describe_fill(&r)
+        ),
+        _ => "full".to_string(),
     };
     eprintln!(
         "device: {} ({}) | {mode} | load {:.0} ms | prompt {n} tokens | prefill {:.1} ms, {:.1} tok/s | decode {generated} tokens, {:.1} tok/s",
@@ -225,4 +230,20 @@ pub fn run(a: Args) -> Result<()> {
         },
     );
     Ok(())
+}
+
+/// Whether and how much a prefill filled, and its self-check, in one phrase.
+fn describe_fill(r: &ridgefill::model::fill::FillReport) -> String {
+    let error = r.error.map_or_else(
+        || "no self-check".to_string(),
+        |e| format!("fill error {e:.3}"),
+    );
+    if r.fell_back {
+        format!("{error} over --max-fill-error: ran exactly")
+    } else {
+        format!(
+            "filled {}/{} rows, tail {} | {error}",
+            r.filled, r.prompt, r.tail
+        )
+    }
 }

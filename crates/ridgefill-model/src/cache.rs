@@ -95,6 +95,11 @@ impl KvCache {
         self.lens.iter_mut().for_each(|l| *l = 0);
     }
 
+    /// Forgets every slot of `layer` (a prefill that re-runs it from the first row).
+    pub fn clear_layer(&mut self, layer: usize) {
+        self.lens[layer] = 0;
+    }
+
     /// Forgets positions from `len` on, keeping the prefix (e.g. to re-run the same decode step).
     /// Only for caches whose layers hold one slot per position (full prefill).
     pub fn truncate(&mut self, len: usize) {

@@ -7,7 +7,7 @@ use ridgefill_io::config::ModelConfig;
 use crate::decoder::Decoder;
 use crate::error::Result;
 use crate::fill::{FillMaps, FillRows};
-use crate::fill::{FillOptions, Prefill};
+use crate::fill::{FillOptions, FillReport, Filled, Prefill};
 
 /// How the prefix is prefilled.
 #[derive(Clone, Copy)]
@@ -48,29 +48,35 @@ pub fn prefill_with(
     cache: &mut crate::KvCache,
     method: Method,
 ) -> Result<Tensor<1>> {
-    Ok(prefill_with_spans(model, tokens, cache, method)?.0)
+    Ok(prefill_with_spans(model, tokens, cache, method)?.logits)
 }
 
-/// [`prefill_with`], also returning the bulk spans that ran exactly (none unless
-/// `method` fills with chosen spans).
+/// [`prefill_with`], also returning the bulk spans that ran exactly (none unless `method`
+/// fills with chosen spans) and what the prefill filled.
 ///
 /// # Shapes
-/// - tokens: `[n]` → `[vocab]`
+/// - tokens: `[n]` → logits `[vocab]`
 pub fn prefill_with_spans(
     model: &Decoder,
     tokens: &[u32],
     cache: &mut crate::KvCache,
     method: Method,
-) -> Result<(Tensor<1>, Vec<std::ops::Range<usize>>)> {
+) -> Result<Filled> {
     match method {
-        Method::Full => Ok((model.prefill(tokens, cache)?, Vec::new())),
+        Method::Full => Ok(Filled {
+            logits: model.prefill(tokens, cache)?,
+            spans: Vec::new(),
+            report: FillReport {
+                prompt: tokens.len(),
+                tail: tokens.len(),
+                ..FillReport::default()
+            },
+        }),
         Method::Fill(maps, rows) => {
-            let f = Prefill::run(model, tokens, cache, FillOptions::fill(maps, rows))?;
-            Ok((f.logits, f.spans))
+            Prefill::run(model, tokens, cache, FillOptions::fill(maps, rows))
         }
         Method::Drop(split, rows) => {
-            let f = Prefill::run(model, tokens, cache, FillOptions::drop(split, rows))?;
-            Ok((f.logits, f.spans))
+            Prefill::run(model, tokens, cache, FillOptions::drop(split, rows))
         }
     }
 }

@@ -180,6 +180,9 @@ fn load_modes<'a>(
         adapt_weight: None,
         sink: a.sink,
         tail: a.tail,
+        // Bench prompts are random tokens: no question to find, no self-check to fail.
+        question: 0,
+        max_error: None,
     };
     if let Some(path) = &a.fill {
         let Some(ckpt) = &loaded.ckpt else {

@@ -175,3 +175,48 @@ impl Header {
         )
     }
 }
+
+/// A greedy answer and what its prefill cost.
+pub struct Generation {
+    /// Generated token ids, the stop token excluded.
+    pub tokens: Vec<u32>,
+    /// Wall seconds of the prefill alone (logits on the host), for side-by-side speed-ups.
+    pub prefill_secs: f64,
+    /// The bulk spans that ran exactly (none unless the method chooses spans).
+    pub spans: Vec<std::ops::Range<usize>>,
+    /// What the prefill filled, and its self-check.
+    pub report: ridgefill::model::fill::FillReport,
+}
+
+/// Prefills `prompt` by `method`, then decodes greedily up to `max_new` tokens, stopping at (and
+/// leaving out) any of `stop`. Every task that compares answers across methods shares this.
+pub fn generate(
+    model: &Decoder,
+    method: Method,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+) -> Result<Generation> {
+    let mut cache = model.new_cache(prompt.len() + max_new);
+    let t0 = std::time::Instant::now();
+    let filled = ridgefill::model::eval::prefill_with_spans(model, prompt, &mut cache, method)?;
+    let mut logits = ridgefill::model::to_host_f32(filled.logits);
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    let mut tokens = Vec::with_capacity(max_new);
+    for step in 0..max_new {
+        let t = ridgefill::model::sample::argmax(&logits);
+        if stop.contains(&t) {
+            break;
+        }
+        tokens.push(t);
+        if step + 1 < max_new {
+            logits = ridgefill::model::to_host_f32(model.decode_step(t, &mut cache)?);
+        }
+    }
+    Ok(Generation {
+        tokens,
+        prefill_secs,
+        spans: filled.spans,
+        report: filled.report,
+    })
+}

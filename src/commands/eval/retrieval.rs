@@ -49,7 +49,8 @@ fn ask(
             FillOptions::fill(maps, rows).with_oracle(o),
         )
         .map(|f| (f.logits, f.spans))?,
-        _ => eval::prefill_with_spans(model, &q.prompt, &mut cache, method)?,
+        _ => eval::prefill_with_spans(model, &q.prompt, &mut cache, method)
+            .map(|f| (f.logits, f.spans))?,
     };
 
     let covered = match method {

@@ -118,10 +118,12 @@ pub(crate) fn split_fill_rope(
 /// layers in one batch, over a cache whose upper layers hold a filled slot for every
 /// position; each exact row overwrites its slot and attends to every slot up to its own.
 /// With `maps.adapt`, each layer's maps are first updated from the exact rows at or after
-/// `sink` (their true K/V at that layer). Returns the last exact row's hidden state.
+/// `sink` (their true K/V at that layer). Returns the last exact row's hidden state and the
+/// self-check: the maps' error on those rows (before any update), relative to their spread,
+/// averaged over the upper layers (`None` when no exact row is past the sink).
 ///
 /// # Shapes
-/// - h_split: `[n, hidden]` entering layer `split` → `[1, hidden]`
+/// - h_split: `[n, hidden]` entering layer `split` → (`[1, hidden]`, error)
 pub(crate) fn exact_pass(
     model: &Decoder,
     maps: &FillMaps,
@@ -130,7 +132,7 @@ pub(crate) fn exact_pass(
     sink: usize,
     cache: &mut KvCache,
     oracle: Option<&Oracle>,
-) -> Result<Tensor<2>> {
+) -> Result<(Tensor<2>, Option<f64>)> {
     let n = h_split.dims()[0];
     let layers = model.num_layers();
     let (kvh, hd) = (model.config.num_key_value_heads, model.config.head_dim());
@@ -146,26 +148,30 @@ pub(crate) fn exact_pass(
     let mut h = rows_of(h_split, exact);
     // Exact rows past the sink (the fit never saw sink rows), as indices into `exact`.
     let first = exact.partition_point(|&p| p < sink);
-    let update = match &maps.adapt {
-        Some(a) if exact.len() > first && a.weight > 0.0 => Some(adapt_factors(
-            model,
-            a,
-            rows_of(x_all.clone(), &exact[first..]),
-        )?),
+    let checked = exact.len() - first;
+    let xe = (checked > 0).then(|| rows_of(x_all.clone(), &exact[first..]));
+    let gain = match (&maps.adapt, &xe) {
+        (Some(a), Some(xe)) if a.weight > 0.0 => Some(adapt_gain(model, a, xe.clone())?),
         _ => None,
     };
+    // Per upper layer: the maps' squared error on the checked rows, and their squared spread.
+    let mut errors: Vec<Tensor<1>> = Vec::with_capacity(2 * (layers - maps.split));
     for l in maps.split..layers {
         let i = l - maps.split;
         let qkv = model.qkv(l, h.clone());
         let mut w = maps.w.clone().narrow(1, i * kv2, kv2);
-        if let Some((xe, gain)) = &update {
-            let k = exact.len() - first;
+        if let Some(xe) = &xe {
             let truth = qkv
                 .clone()
                 .narrow(1, model.config.q_dim(), kv2)
-                .narrow(0, first, k);
-            let resid = truth - model.linear_dense(xe.clone(), &w);
-            w = model.linear_dense_add(gain.clone(), &resid, w);
+                .narrow(0, first, checked);
+            let resid = truth.clone() - model.linear_dense(xe.clone(), &w);
+            let spread = truth.clone() - truth.mean_dim(0);
+            errors.push(resid.clone().cast(FloatDType::F32).powi_scalar(2).sum());
+            errors.push(spread.cast(FloatDType::F32).powi_scalar(2).sum());
+            if let Some(gain) = &gain {
+                w = model.linear_dense_add(gain.clone(), &resid, w);
+            }
         }
         match model.layers[l].window.filter(|_| !maps.fill_unread) {
             Some(window) => {
@@ -190,19 +196,30 @@ pub(crate) fn exact_pass(
         h = next;
     }
     let m = exact.len();
-    Ok(h.narrow(0, m - 1, 1))
+    Ok((h.narrow(0, m - 1, 1), relative_error(errors)))
 }
 
-/// `Xe` and the gain `P·(I/weight + Xe·P)⁻¹` with `P = G⁻¹·Xeᵀ`, for the exact rows'
-/// features `xe`: each layer's maps move by `gain · (truth − Xe·W)`.
+/// Mean over layers of squared error over squared spread, from [`exact_pass`]'s per-layer
+/// pairs; one host read for all of them.
+fn relative_error(pairs: Vec<Tensor<1>>) -> Option<f64> {
+    if pairs.is_empty() {
+        return None;
+    }
+    let host = crate::to_host_f32(Tensor::cat(pairs, 0));
+    let layers = host.len() / 2;
+    let sum: f64 = host
+        .chunks_exact(2)
+        .map(|p| f64::from(p[0]) / f64::from(p[1]).max(f64::MIN_POSITIVE))
+        .sum();
+    Some(sum / layers as f64)
+}
+
+/// The gain `P·(I/weight + Xe·P)⁻¹` with `P = G⁻¹·Xeᵀ`, for the exact rows' features `xe`:
+/// each layer's maps move by `gain · (truth − Xe·W)`.
 ///
 /// # Shapes
-/// - xe: `[k, hidden + 1]` → (`[k, hidden + 1]`, `[hidden + 1, k]`)
-pub(crate) fn adapt_factors(
-    model: &Decoder,
-    a: &Adapt,
-    xe: Tensor<2>,
-) -> Result<(Tensor<2>, Tensor<2>)> {
+/// - xe: `[k, hidden + 1]` → `[hidden + 1, k]`
+pub(crate) fn adapt_gain(model: &Decoder, a: &Adapt, xe: Tensor<2>) -> Result<Tensor<2>> {
     let k = xe.dims()[0];
     let p = a.precision.clone().matmul(xe.clone().transpose());
     let xp = crate::to_host_f32(xe.clone().matmul(p.clone()).cast(FloatDType::F32));
@@ -221,7 +238,7 @@ pub(crate) fn adapt_factors(
         .map(|v| v as f32)
         .collect();
     let m = Tensor::<2>::from_data(TensorData::new(inv, [k, k]), &model.device).cast(model.dtype);
-    Ok((xe, model.linear_dense(p, &m)))
+    Ok(model.linear_dense(p, &m))
 }
 
 /// Inverse of a symmetric positive definite `k × k` matrix (row-major) by Cholesky, in f64.

@@ -19,7 +19,7 @@ use crate::decoder::Decoder;
 use crate::error::{ModelError, Result};
 
 pub use oracle::Oracle;
-pub use prefill::{FillOptions, Filled, Prefill};
+pub use prefill::{FillOptions, FillReport, Filled, Prefill};
 pub use spans::{choose_spans, window_reads};
 
 /// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM.
@@ -34,6 +34,9 @@ pub struct FillMaps {
     /// Also fill sliding-window layers' rows that no exact row or decode step can reach (they
     /// are never read): only for measuring what leaving them out saves.
     pub fill_unread: bool,
+    /// The tokenizer's ids whose text holds a line break: where a final question starts
+    /// ([`FillRows::for_prompt`]). Empty: the tail stays fixed.
+    pub breaks: Vec<u32>,
 }
 
 /// What the per-prompt ridge update needs: the calibration precision and the exact rows' weight.
@@ -123,6 +126,12 @@ pub const MIN_SPANS: usize = 5;
 /// Default half-width of an exact span: a needle sentence is ~16 tokens, centred on the top row.
 pub const DEFAULT_SPAN_RADIUS: usize = 8;
 
+/// Default longest question tail: a chat turn's question plus the template's closing tokens,
+/// or RULER's question and answer prefix, fit in it.
+pub const DEFAULT_QUESTION_TAIL: usize = 128;
+/// The question tail is at most `1 / QUESTION_SHARE_DIVISOR` of the prompt.
+const QUESTION_SHARE_DIVISOR: usize = 4;
+
 /// Which rows of the prompt run every layer exactly.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FillRows {
@@ -135,21 +144,51 @@ pub struct FillRows {
     pub exact: f64,
     /// Half-width of each exact span around a chosen row.
     pub span: usize,
+    /// Longest tail grown back to the prompt's last line break, so the final question runs
+    /// exactly whole (0: the tail is `tail` rows). Needs the maps' line-break ids.
+    pub question: usize,
+    /// Self-check: when the maps' relative error on this prompt's exact rows exceeds this, the
+    /// bulk runs the upper layers exactly after all (infinite: never).
+    pub max_error: f64,
 }
 
 impl Default for FillRows {
-    /// Plain fill: sink 1, tail 16, no chosen spans.
+    /// Plain fill: sink 1, tail 16, no chosen spans, no question tail, no self-check.
     fn default() -> Self {
         Self {
             sink: 1,
             tail: 16,
             exact: 0.0,
             span: DEFAULT_SPAN_RADIUS,
+            question: 0,
+            max_error: f64::INFINITY,
         }
     }
 }
 
 impl FillRows {
+    /// These rows with the tail grown to cover `tokens`' final question: back to the last
+    /// line break (a token in `breaks`) at least `tail` rows from the end, at most `question`
+    /// rows and a quarter of the prompt (so a short prompt still skips most rows).
+    pub fn for_prompt(self, tokens: &[u32], breaks: &[u32]) -> Self {
+        let n = tokens.len();
+        let cap = self.question.min(n / QUESTION_SHARE_DIVISOR);
+        if cap <= self.tail || breaks.is_empty() {
+            return self;
+        }
+        // Break positions p with tail ≤ n - p - 1 ≤ cap.
+        let lo = n - cap - 1;
+        let hi = n.saturating_sub(self.tail + 1);
+        // No break near the end: nothing marks where the question starts.
+        match (lo..=hi).rev().find(|&p| breaks.contains(&tokens[p])) {
+            Some(p) => Self {
+                tail: n - p - 1,
+                ..self
+            },
+            None => self,
+        }
+    }
+
     /// The bulk rows of an `n`-row prompt (neither sink nor tail), or `None` when every row runs
     /// exactly.
     pub fn bulk(&self, n: usize) -> Option<Range<usize>> {
@@ -221,6 +260,7 @@ impl FillMaps {
             w: Tensor::<2>::from_data(TensorData::new(w, [rows, cols]), device).cast(dtype),
             adapt: None,
             fill_unread: false,
+            breaks: Vec::new(),
         })
     }
 
@@ -247,6 +287,12 @@ impl FillMaps {
         Ok(self)
     }
 
+    /// The same maps, growing the tail to a final question that starts after one of `breaks`.
+    pub fn with_breaks(mut self, breaks: Vec<u32>) -> Self {
+        self.breaks = breaks;
+        self
+    }
+
     /// The same maps without the per-prompt update (plain ridge); tensors are shared.
     pub fn plain(&self) -> Self {
         Self {
@@ -254,6 +300,7 @@ impl FillMaps {
             w: self.w.clone(),
             adapt: None,
             fill_unread: self.fill_unread,
+            breaks: self.breaks.clone(),
         }
     }
 
@@ -264,6 +311,7 @@ impl FillMaps {
             w: self.w.clone(),
             adapt: self.adapt.clone(),
             fill_unread: true,
+            breaks: self.breaks.clone(),
         }
     }
 
@@ -297,6 +345,7 @@ impl FillMaps {
             w: Tensor::cat(cols, 1),
             adapt: None,
             fill_unread: false,
+            breaks: Vec::new(),
         })
     }
 }
@@ -340,5 +389,29 @@ mod tests {
         assert_eq!(FillRows::default().span_count(2048), 0);
         assert_eq!(rows.bulk(17), None);
         assert_eq!(rows.bulk(18), Some(1..2));
+    }
+
+    #[test]
+    fn the_question_tail_reaches_back_to_the_last_line_break() {
+        const NL: u32 = 10;
+        let rows = FillRows {
+            tail: 4,
+            question: 20,
+            ..FillRows::default()
+        };
+        let mut tokens = vec![1u32; 100];
+        tokens[80] = NL; // the question starts at 81
+        tokens[97] = NL; // inside the minimum tail: passed over
+        assert_eq!(rows.for_prompt(&tokens, &[NL]).tail, 19);
+        // Beyond the cap, or no break at all: the fixed tail.
+        tokens[80] = 1;
+        tokens[70] = NL;
+        assert_eq!(rows.for_prompt(&tokens, &[NL]).tail, 4);
+        assert_eq!(rows.for_prompt(&tokens, &[]).tail, 4);
+        // A short prompt caps the question tail at a quarter of it.
+        let short = [1, 1, NL, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
+        assert_eq!(rows.for_prompt(&short, &[NL]).tail, 4);
+        let ok = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, NL, 1, 1, 1, 1, 1];
+        assert_eq!(rows.for_prompt(&ok, &[NL]).tail, 5);
     }
 }

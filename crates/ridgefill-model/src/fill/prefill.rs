@@ -62,6 +62,23 @@ pub struct Filled {
     pub logits: Tensor<1>,
     /// The bulk spans that ran exactly (chosen by the tail's attention).
     pub spans: Vec<Range<usize>>,
+    pub report: FillReport,
+}
+
+/// What a prefill did with one prompt: how much it filled, and its self-check. Servers and
+/// `generate` report it per request.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FillReport {
+    /// Prompt rows.
+    pub prompt: usize,
+    /// Rows of the exact tail (grown to the final question where the maps know line breaks).
+    pub tail: usize,
+    /// Rows whose upper-layer K/V were predicted (0: every row ran every layer).
+    pub filled: usize,
+    /// The maps' relative error on this prompt's exact rows, averaged over the upper layers.
+    pub error: Option<f64>,
+    /// The self-check found the error above `max_error` and the bulk ran exactly after all.
+    pub fell_back: bool,
 }
 
 /// A skip-and-fill prefill in progress, into a cache that was empty when it started.
@@ -79,6 +96,7 @@ pub struct Prefill<'a> {
     /// Every row entering the split, per chunk.
     h_split: Vec<Tensor<2>>,
     spans: Vec<Range<usize>>,
+    report: FillReport,
 }
 
 impl<'a> Prefill<'a> {
@@ -95,11 +113,26 @@ impl<'a> Prefill<'a> {
             ));
         }
         check_split(model, opts.split)?;
+        let rows = match opts.maps {
+            Some(maps) => opts.rows.for_prompt(tokens, &maps.breaks),
+            None => opts.rows,
+        };
+        let opts = FillOptions { rows, ..opts };
+        let bulk = rows.bulk(tokens.len());
         Ok(Self {
             model,
             opts,
             h: model.embed(tokens)?,
-            bulk: opts.rows.bulk(tokens.len()),
+            report: FillReport {
+                prompt: tokens.len(),
+                tail: if bulk.is_some() {
+                    rows.tail
+                } else {
+                    tokens.len()
+                },
+                ..FillReport::default()
+            },
+            bulk,
             done: 0,
             tail_in: Vec::new(),
             h_split: Vec::new(),
@@ -124,6 +157,7 @@ impl<'a> Prefill<'a> {
                 return Ok(Filled {
                     logits,
                     spans: p.spans,
+                    report: p.report,
                 });
             }
         }
@@ -137,6 +171,11 @@ impl<'a> Prefill<'a> {
     /// The bulk spans that ran exactly (known once the prefill is done).
     pub fn spans(&self) -> &[Range<usize>] {
         &self.spans
+    }
+
+    /// What this prefill filled and its self-check (complete once it is done).
+    pub fn report(&self) -> FillReport {
+        self.report
     }
 
     /// Runs the next [`PREFILL_CHUNK`] rows through the layers below the split (every layer
@@ -189,7 +228,7 @@ impl<'a> Prefill<'a> {
         let h_last = match self.opts.maps {
             Some(maps) => {
                 let tail_in = Tensor::cat(std::mem::take(&mut self.tail_in), 0);
-                let (h_last, spans) = fill_upper(
+                let upper = fill_upper(
                     model,
                     maps,
                     self.opts.rows,
@@ -198,8 +237,14 @@ impl<'a> Prefill<'a> {
                     cache,
                     self.opts.oracle,
                 )?;
-                self.spans = spans;
-                h_last
+                self.report.error = upper.error;
+                self.report.fell_back = upper.fell_back;
+                if !upper.fell_back {
+                    let spanned: usize = upper.spans.iter().map(|s| s.len()).sum();
+                    self.report.filled = bulk.len() - spanned;
+                }
+                self.spans = upper.spans;
+                upper.h_last
             }
             None => {
                 let (sink, tail0) = (bulk.start, bulk.end);
@@ -209,6 +254,7 @@ impl<'a> Prefill<'a> {
                 }
                 let rows = h_split.narrow(0, tail0, n - tail0);
                 let t = model.forward_layers(rows, split..layers, cache, tail0)?;
+                self.report.filled = bulk.len();
                 t.narrow(0, n - tail0 - 1, 1)
             }
         };
@@ -233,12 +279,22 @@ pub(crate) fn scoring_layer(model: &Decoder, split: usize) -> usize {
         .unwrap_or(split - 1)
 }
 
+/// What [`fill_upper`] did.
+pub(crate) struct Upper {
+    /// The last row entering the head, `[1, hidden]`.
+    pub h_last: Tensor<2>,
+    pub spans: Vec<Range<usize>>,
+    pub error: Option<f64>,
+    pub fell_back: bool,
+}
+
 /// Everything of a fill prefill after the layers below the split: the spans the tail rows'
 /// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
-/// layers' exact pass and fill. Returns the last row entering the head and the spans.
+/// layers' exact pass and fill; when the exact rows show the maps' error above
+/// `rows.max_error`, the upper layers run again with every row exact.
 ///
 /// # Shapes
-/// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → (`[1, hidden]`, spans)
+/// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → h_last `[1, hidden]`
 pub(crate) fn fill_upper(
     model: &Decoder,
     maps: &FillMaps,
@@ -247,7 +303,7 @@ pub(crate) fn fill_upper(
     h_split: Tensor<2>,
     cache: &mut KvCache,
     oracle: Option<&Oracle>,
-) -> Result<(Tensor<2>, Vec<Range<usize>>)> {
+) -> Result<Upper> {
     let n = h_split.dims()[0];
     let bulk = rows
         .bulk(n)
@@ -263,8 +319,41 @@ pub(crate) fn fill_upper(
         .chain(spans.iter().cloned().flatten())
         .chain(bulk.end..n)
         .collect();
-    let h_last = exact_pass(model, maps, h_split, &exact, bulk.start, cache, oracle)?;
-    Ok((h_last, spans))
+    let (h_last, error) = exact_pass(
+        model,
+        maps,
+        h_split.clone(),
+        &exact,
+        bulk.start,
+        cache,
+        oracle,
+    )?;
+    if !error.is_some_and(|e| e > rows.max_error) {
+        return Ok(Upper {
+            h_last,
+            spans,
+            error,
+            fell_back: false,
+        });
+    }
+    // The exact rows' pass is all this prompt wasted; the layers below the split stand. Chunk
+    // by chunk as full prefill runs, so the answer is full prefill's to the last bit.
+    let layers = model.num_layers();
+    (maps.split..layers).for_each(|l| cache.clear_layer(l));
+    let mut h_last = h_last;
+    for r0 in (0..n).step_by(PREFILL_CHUNK) {
+        let m = PREFILL_CHUNK.min(n - r0);
+        let h = h_split.clone().narrow(0, r0, m);
+        h_last = model
+            .forward_layers(h, maps.split..layers, cache, r0)?
+            .narrow(0, m - 1, 1);
+    }
+    Ok(Upper {
+        h_last,
+        spans: Vec::new(),
+        error,
+        fell_back: true,
+    })
 }
 
 /// Attention the `tail` rows (at positions `tail0..`) give every cached position of layer
