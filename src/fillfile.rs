@@ -89,8 +89,39 @@ pub fn load_configured(
     model: &Decoder,
     choice: &MethodChoice,
 ) -> Result<(FillMethod, FillMaps, FillRows)> {
-    let (file, maps) = load_maps(path, ckpt, model)?;
+    let (file, maps) = load_ladder(path, &choice.deeper, ckpt, model)?;
     configure(&file, &maps, choice)
+}
+
+/// [`load_maps`] of `path`, with the fill files at deeper splits in `deeper` (increasing
+/// splits) chained behind it: each is tried in turn when the one before fails its self-check.
+pub fn load_ladder(
+    path: &Path,
+    deeper: &[std::path::PathBuf],
+    ckpt: &Checkpoint,
+    model: &Decoder,
+) -> Result<(FillFile, FillMaps)> {
+    let (file, maps) = load_maps(path, ckpt, model)?;
+    let mut chain = Vec::with_capacity(deeper.len());
+    for p in deeper {
+        chain.push((p, load_maps(p, ckpt, model)?.1));
+    }
+    // Chained from the deepest up, each behind the next shallower one.
+    let mut next: Option<FillMaps> = None;
+    for (p, m) in chain.into_iter().rev() {
+        let m = match next.take() {
+            Some(d) => m.with_deeper(d),
+            None => Ok(m),
+        };
+        next = Some(m.map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?);
+    }
+    let maps = match next {
+        Some(d) => maps
+            .with_deeper(d)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+        None => maps,
+    };
+    Ok((file, maps))
 }
 
 /// The method and rows a run uses: each run-time choice, else what the fill file records.
@@ -140,4 +171,6 @@ pub struct MethodChoice {
     pub question: usize,
     /// Self-check threshold on the maps' relative error (`None`: never fall back).
     pub max_error: Option<f64>,
+    /// Fill files at deeper splits, tried in turn when the self-check fails.
+    pub deeper: Vec<std::path::PathBuf>,
 }

@@ -218,6 +218,7 @@ fn wgpu_matches_flex_on_tiny_model() {
         adapt: None,
         fill_unread: false,
         breaks: Vec::new(),
+        deeper: None,
     };
     let rows = FillRows {
         sink: 1,
@@ -398,6 +399,42 @@ fn a_failed_self_check_runs_the_prompt_exactly() {
     assert!(!f.report.fell_back);
     assert_eq!(f.report.filled, N - 1 - 4 - spanned);
     assert!(common::max_abs_diff(&full, &to_host_f32(f.logits)) > 1e-3);
+}
+
+/// A failed self-check tries the deeper split's maps first: here the last layer's own K/V
+/// projection, which is exact, so the prompt fills that layer, passes, and matches full
+/// prefill, having run exactly only up to the deeper split.
+#[test]
+fn a_failed_self_check_tries_the_deeper_split_first() {
+    common::init();
+    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
+    const LAYERS: usize = 4;
+    let model = gqa_model(LAYERS, true);
+    let ids = prompt(N, model.config.vocab_size);
+    let full = to_host_f32(model.prefill(&ids, &mut model.new_cache(N)).unwrap());
+    let exact_last = FillMaps::own_proj(&model, LAYERS - 1).unwrap();
+    let maps = random_maps(&model, 1, 21).with_deeper(exact_last).unwrap();
+    let rows = FillRows {
+        max_error: 1e-3,
+        ..spans_rows(4, 0.1, 4)
+    };
+    let f = Prefill::run(
+        &model,
+        &ids,
+        &mut model.new_cache(N),
+        FillOptions::fill(&maps, rows),
+    )
+    .unwrap();
+    assert_eq!(f.report.split, Some(LAYERS - 1), "{:?}", f.report);
+    assert!(f.report.error.is_some_and(|e| e < 1e-3), "{:?}", f.report);
+    assert!(f.report.filled > 0 && !f.report.fell_back);
+    let d = common::max_abs_diff(&full, &to_host_f32(f.logits));
+    assert!(d < 1e-4, "deeper exact fill vs full max |Δ| {d}");
+    assert!(
+        random_maps(&model, 2, 1)
+            .with_deeper(random_maps(&model, 2, 1))
+            .is_err()
+    );
 }
 
 /// With the maps' line-break ids, the exact tail reaches back to the last line break before

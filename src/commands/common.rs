@@ -144,6 +144,10 @@ pub struct RowArgs {
     /// the prompt runs every layer exactly after all (full prefill's answer, at full cost).
     #[arg(long, value_parser = parse_weight)]
     pub max_fill_error: Option<f64>,
+    /// Fill files at deeper splits of the same model, comma-separated, tried in turn when the
+    /// self-check fails: the prompt runs exactly up to their split instead of every layer.
+    #[arg(long, value_delimiter = ',', requires = "max_fill_error")]
+    pub fill_deeper: Vec<std::path::PathBuf>,
 }
 
 impl RowArgs {
@@ -167,6 +171,7 @@ impl RowArgs {
             tail: self.tail,
             question: self.question_tail,
             max_error: self.max_fill_error,
+            deeper: self.fill_deeper.clone(),
         }
     }
 }

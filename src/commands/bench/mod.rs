@@ -183,6 +183,7 @@ fn load_modes<'a>(
         // Bench prompts are random tokens: no question to find, no self-check to fail.
         question: 0,
         max_error: None,
+        deeper: Vec::new(),
     };
     if let Some(path) = &a.fill {
         let Some(ckpt) = &loaded.ckpt else {

@@ -37,6 +37,9 @@ pub struct FillMaps {
     /// The tokenizer's ids whose text holds a line break: where a final question starts
     /// ([`FillRows::for_prompt`]). Empty: the tail stays fixed.
     pub breaks: Vec<u32>,
+    /// Maps at a deeper split, tried when this split's self-check fails (before running the
+    /// upper layers exactly): the bulk runs exactly up to their split instead.
+    pub deeper: Option<Box<FillMaps>>,
 }
 
 /// What the per-prompt ridge update needs: the calibration precision and the exact rows' weight.
@@ -261,6 +264,7 @@ impl FillMaps {
             adapt: None,
             fill_unread: false,
             breaks: Vec::new(),
+            deeper: None,
         })
     }
 
@@ -293,6 +297,18 @@ impl FillMaps {
         self
     }
 
+    /// The same maps, falling back to `deeper` (a later split) when the self-check fails.
+    pub fn with_deeper(mut self, deeper: FillMaps) -> Result<Self> {
+        if deeper.split <= self.split {
+            return Err(ModelError::Invalid(format!(
+                "deeper fill maps split at layer {}, not below this split ({})",
+                deeper.split, self.split
+            )));
+        }
+        self.deeper = Some(Box::new(deeper));
+        Ok(self)
+    }
+
     /// The same maps without the per-prompt update (plain ridge); tensors are shared.
     pub fn plain(&self) -> Self {
         Self {
@@ -301,6 +317,7 @@ impl FillMaps {
             adapt: None,
             fill_unread: self.fill_unread,
             breaks: self.breaks.clone(),
+            deeper: self.deeper.as_ref().map(|d| Box::new(d.plain())),
         }
     }
 
@@ -312,6 +329,7 @@ impl FillMaps {
             adapt: self.adapt.clone(),
             fill_unread: true,
             breaks: self.breaks.clone(),
+            deeper: self.deeper.as_ref().map(|d| Box::new(d.filling_unread())),
         }
     }
 
@@ -346,6 +364,7 @@ impl FillMaps {
             adapt: None,
             fill_unread: false,
             breaks: Vec::new(),
+            deeper: None,
         })
     }
 }

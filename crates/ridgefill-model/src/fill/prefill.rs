@@ -79,6 +79,9 @@ pub struct FillReport {
     pub error: Option<f64>,
     /// The self-check found the error above `max_error` and the bulk ran exactly after all.
     pub fell_back: bool,
+    /// The split whose maps filled (a deeper one when a shallower self-check failed); `None`
+    /// when nothing was filled.
+    pub split: Option<usize>,
 }
 
 /// A skip-and-fill prefill in progress, into a cache that was empty when it started.
@@ -238,8 +241,9 @@ impl<'a> Prefill<'a> {
                     self.opts.oracle,
                 )?;
                 self.report.error = upper.error;
-                self.report.fell_back = upper.fell_back;
-                if !upper.fell_back {
+                self.report.fell_back = upper.split.is_none();
+                self.report.split = upper.split;
+                if upper.split.is_some() {
                     let spanned: usize = upper.spans.iter().map(|s| s.len()).sum();
                     self.report.filled = bulk.len() - spanned;
                 }
@@ -255,6 +259,7 @@ impl<'a> Prefill<'a> {
                 let rows = h_split.narrow(0, tail0, n - tail0);
                 let t = model.forward_layers(rows, split..layers, cache, tail0)?;
                 self.report.filled = bulk.len();
+                self.report.split = Some(split);
                 t.narrow(0, n - tail0 - 1, 1)
             }
         };
@@ -284,14 +289,17 @@ pub(crate) struct Upper {
     /// The last row entering the head, `[1, hidden]`.
     pub h_last: Tensor<2>,
     pub spans: Vec<Range<usize>>,
+    /// The self-check of the last split tried.
     pub error: Option<f64>,
-    pub fell_back: bool,
+    /// The split whose maps filled; `None`: every row ran every layer.
+    pub split: Option<usize>,
 }
 
 /// Everything of a fill prefill after the layers below the split: the spans the tail rows'
 /// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
-/// layers' exact pass and fill; when the exact rows show the maps' error above
-/// `rows.max_error`, the upper layers run again with every row exact.
+/// layers' exact pass and fill. When the exact rows show the maps' error above
+/// `rows.max_error`, the bulk runs exactly up to `maps.deeper`'s split and that fill is tried
+/// the same way; with no deeper maps left, the upper layers run with every row exact.
 ///
 /// # Shapes
 /// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → h_last `[1, hidden]`
@@ -308,9 +316,9 @@ pub(crate) fn fill_upper(
     let bulk = rows
         .bulk(n)
         .ok_or_else(|| ModelError::Invalid("fill_upper: the prompt has no bulk".into()))?;
+    let scored = scoring_layer(model, maps.split);
     let spans = if rows.span_count(n) > 0 {
-        let scored = scoring_layer(model, maps.split);
-        let scores = tail_scores(model, scored, tail_in, cache, bulk.end)?;
+        let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
         choose_spans(&scores, bulk.clone(), rows.exact_rows(n), rows.span)
     } else {
         Vec::new()
@@ -333,27 +341,57 @@ pub(crate) fn fill_upper(
             h_last,
             spans,
             error,
-            fell_back: false,
+            split: Some(maps.split),
         });
     }
-    // The exact rows' pass is all this prompt wasted; the layers below the split stand. Chunk
-    // by chunk as full prefill runs, so the answer is full prefill's to the last bit.
+    // The exact rows' pass is all this prompt wasted; the layers below the split stand.
     let layers = model.num_layers();
     (maps.split..layers).for_each(|l| cache.clear_layer(l));
-    let mut h_last = h_last;
+    let Some(deeper) = maps.deeper.as_deref() else {
+        let h = run_exact(model, h_split, maps.split..layers, cache)?;
+        return Ok(Upper {
+            h_last: h.narrow(0, n - 1, 1),
+            spans: Vec::new(),
+            error,
+            split: None,
+        });
+    };
+    // Every row runs exactly up to the deeper split; its scoring layer's tail input is kept
+    // on the way (or is the one already at hand when that layer lies below this split).
+    let deep_scored = scoring_layer(model, deeper.split);
+    let (tail_in, h) = if deep_scored >= maps.split {
+        let h = run_exact(model, h_split, maps.split..deep_scored, cache)?;
+        (h.clone().narrow(0, bulk.end, n - bulk.end), h)
+    } else {
+        (tail_in, h_split)
+    };
+    let from = deep_scored.max(maps.split);
+    let h_deeper = run_exact(model, h, from..deeper.split, cache)?;
+    fill_upper(model, deeper, rows, tail_in, h_deeper, cache, oracle)
+}
+
+/// Every row of `h` (entering `layers.start`, positions `0..`) through `layers` exactly, chunk
+/// by chunk as full prefill runs them, so the result is full prefill's to the last bit.
+///
+/// # Shapes
+/// - h: `[n, hidden]` → `[n, hidden]`
+fn run_exact(
+    model: &Decoder,
+    h: Tensor<2>,
+    layers: Range<usize>,
+    cache: &mut KvCache,
+) -> Result<Tensor<2>> {
+    if layers.is_empty() {
+        return Ok(h);
+    }
+    let n = h.dims()[0];
+    let mut out = Vec::with_capacity(n.div_ceil(PREFILL_CHUNK));
     for r0 in (0..n).step_by(PREFILL_CHUNK) {
         let m = PREFILL_CHUNK.min(n - r0);
-        let h = h_split.clone().narrow(0, r0, m);
-        h_last = model
-            .forward_layers(h, maps.split..layers, cache, r0)?
-            .narrow(0, m - 1, 1);
+        let rows = h.clone().narrow(0, r0, m);
+        out.push(model.forward_layers(rows, layers.clone(), cache, r0)?);
     }
-    Ok(Upper {
-        h_last,
-        spans: Vec::new(),
-        error,
-        fell_back: true,
-    })
+    Ok(Tensor::cat(out, 0))
 }
 
 /// Attention the `tail` rows (at positions `tail0..`) give every cached position of layer
