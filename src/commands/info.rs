@@ -1,4 +1,8 @@
+//! `ridgefill info`: what a checkpoint holds; `--export-tokenizer` writes its tokenizer as a
+//! Hugging Face tokenizer directory for tools that tokenize on their own (lm-evaluation-harness).
+
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use anyhow::Result;
 use ridgefill::io::checkpoint::Checkpoint;
@@ -11,6 +15,10 @@ pub struct Args {
     /// Also list every tensor.
     #[arg(long)]
     pub tensors: bool,
+    /// Write the tokenizer as a Hugging Face tokenizer directory (tokenizer.json,
+    /// tokenizer_config.json with BOS/EOS and chat template, special_tokens_map.json).
+    #[arg(long, value_name = "DIR")]
+    pub export_tokenizer: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -84,6 +92,13 @@ pub fn run(a: Args) -> Result<()> {
     if a.tensors {
         for i in infos {
             println!("{:60} {:>6} {:?}", i.name, i.dtype, i.shape);
+        }
+    }
+    if let Some(dir) = &a.export_tokenizer {
+        let template = ckpt.chat_template.as_ref().map(|t| t.source());
+        let files = ridgefill::io::tokenizer_export::export_hf(tok, template, dir)?;
+        for f in files {
+            println!("wrote:        {}", f.display());
         }
     }
     Ok(())

@@ -17,6 +17,7 @@ mod spm;
 pub mod stats;
 pub mod text;
 pub mod tokenizer;
+pub mod tokenizer_export;
 
 pub use bytes::SharedBytes;
 pub use chat::{ChatMessage, ChatTemplate};

@@ -1,6 +1,8 @@
 //! The OpenAI-compatible HTTP surface: request checking, OpenAI-shaped errors, JSON and SSE
 //! responses. Bodies are parsed here, not by axum's extractors, so every malformed request gets
-//! the same `{"error": {...}}` shape the `openai` clients read.
+//! the same `{"error": {...}}` shape the `openai` clients read. `/v1/completions` also takes the
+//! legacy options evaluation harnesses score with (lm-evaluation-harness's API models): prompts
+//! as token ids (their own tokenization, used as is), batches of prompts, `echo` and `logprobs`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -21,7 +23,7 @@ use ridgefill::model::SamplerConfig;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use super::engine::{Event, Finish, Job};
+use super::engine::{Event, Finish, Job, TokenLogprob};
 use super::metrics::Metrics;
 
 /// Seconds a client is told to wait when the queue is full.
@@ -32,6 +34,8 @@ const ROLES: &[&str] = &["system", "user", "assistant"];
 const MAX_STOPS: usize = 4;
 /// Largest sampling temperature accepted (OpenAI's range).
 const MAX_TEMPERATURE: f64 = 2.0;
+/// Most alternatives `logprobs` may ask for per token (vLLM's default limit).
+const MAX_LOGPROBS: usize = 20;
 
 pub struct AppState {
     pub queue: SyncSender<Job>,
@@ -39,6 +43,8 @@ pub struct AppState {
     pub model_id: String,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// The model's vocabulary: token-id prompts must stay below it.
+    pub vocab: usize,
     /// Positions a request's cache holds: prompt plus completion.
     pub ctx: usize,
     pub has_fill: bool,
@@ -190,6 +196,10 @@ async fn read_json(body: Body, limit: usize) -> Result<serde_json::Map<String, V
 /// The generation parameters shared by both endpoints.
 struct Params {
     max_tokens: Option<usize>,
+    /// OpenAI's legacy `echo` (completions only): the prompt comes first in text and logprobs.
+    echo: bool,
+    /// OpenAI's legacy `logprobs` (completions only): this many alternatives per token.
+    logprobs: Option<usize>,
     sampler: SamplerConfig,
     stop: Vec<String>,
     stream: bool,
@@ -197,7 +207,11 @@ struct Params {
     ignore_eos: bool,
 }
 
-fn params(o: &serde_json::Map<String, Value>, st: &AppState) -> Result<Params, ApiError> {
+fn params(
+    o: &serde_json::Map<String, Value>,
+    st: &AppState,
+    kind: Kind,
+) -> Result<Params, ApiError> {
     let num = |key: &'static str| -> Result<Option<f64>, ApiError> {
         match o.get(key) {
             None | Some(Value::Null) => Ok(None),
@@ -218,15 +232,25 @@ fn params(o: &serde_json::Map<String, Value>, st: &AppState) -> Result<Params, A
             )),
         }
     };
+    // OpenAI's completions take `max_tokens: 0` (the schema's minimum; with `echo` it scores
+    // the prompt alone); chat completions need at least one token.
+    let least = u64::from(kind == Kind::Chat);
     let count = |key: &'static str| -> Result<Option<usize>, ApiError> {
         match o.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(Value::Number(n)) if n.as_u64().is_some_and(|v| v > 0) => {
+            Some(Value::Number(n)) if n.as_u64().is_some_and(|v| v >= least) => {
                 Ok(n.as_u64().map(|v| v as usize))
             }
             Some(v) => Err(ApiError::invalid(
                 Some(key),
-                format!("`{key}` must be a positive integer, found {v}"),
+                format!(
+                    "`{key}` must be a {} integer, found {v}",
+                    if least > 0 {
+                        "positive"
+                    } else {
+                        "non-negative"
+                    }
+                ),
             )),
         }
     };
@@ -292,10 +316,18 @@ fn params(o: &serde_json::Map<String, Value>, st: &AppState) -> Result<Params, A
             format!("only n = 1 is supported, found {n}"),
         ));
     }
+    let stream = boolean("stream")?.unwrap_or(false);
+    let (echo, logprobs) = match kind {
+        // Chat's `logprobs` is a different (boolean) option this server does not offer.
+        Kind::Chat => (false, None),
+        Kind::Text => legacy_logprobs(o, stream)?,
+    };
     let fill = boolean("fill")?.unwrap_or(true) && st.has_fill;
     let seed = seed.unwrap_or_else(|| st.next_id.load(Ordering::Relaxed));
     Ok(Params {
         max_tokens,
+        echo,
+        logprobs,
         sampler: SamplerConfig {
             temperature: temperature as f32,
             // OpenAI's sampling: temperature and nucleus only.
@@ -305,11 +337,47 @@ fn params(o: &serde_json::Map<String, Value>, st: &AppState) -> Result<Params, A
             seed,
         },
         stop,
-        stream: boolean("stream")?.unwrap_or(false),
+        stream,
         fill,
         // llama-server's extension: generate max_tokens tokens (benchmarks).
         ignore_eos: boolean("ignore_eos")?.unwrap_or(false),
     })
+}
+
+/// The legacy completions' `echo` and `logprobs`, checked as OpenAI checks them.
+fn legacy_logprobs(
+    o: &serde_json::Map<String, Value>,
+    stream: bool,
+) -> Result<(bool, Option<usize>), ApiError> {
+    let echo = match o.get("echo") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                Some("echo"),
+                format!("`echo` must be true or false, found {v}"),
+            ));
+        }
+    };
+    if echo && stream {
+        return Err(ApiError::invalid(
+            Some("echo"),
+            "`echo` cannot be used with `stream`: ask for the whole response",
+        ));
+    }
+    let logprobs = match o.get("logprobs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) if n.as_u64().is_some_and(|v| v <= MAX_LOGPROBS as u64) => {
+            n.as_u64().map(|v| v as usize)
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                Some("logprobs"),
+                format!("`logprobs` must be an integer from 0 to {MAX_LOGPROBS}, found {v}"),
+            ));
+        }
+    };
+    Ok((echo, logprobs))
 }
 
 fn chat_messages(o: &serde_json::Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
@@ -383,7 +451,7 @@ enum Kind {
 async fn chat(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let o = read_json(body, st.body_limit).await?;
     let msgs = chat_messages(&o)?;
-    let p = params(&o, &st)?;
+    let p = params(&o, &st, Kind::Chat)?;
     let tmpl = st.template.as_ref().ok_or_else(|| {
         ApiError::invalid(None, "this model has no chat template: use /v1/completions")
     })?;
@@ -394,44 +462,141 @@ async fn chat(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, A
         .tokenizer
         .encode(&text, false)
         .map_err(|e| ApiError::server(e.to_string()))?;
-    submit(&st, Kind::Chat, ids, p).await
+    let prompt = Prompt { ids, added_bos: 0 };
+    submit(&st, Kind::Chat, vec![prompt], p).await
+}
+
+/// One prompt of a request, tokenised.
+struct Prompt {
+    ids: Vec<u32>,
+    /// Leading tokens the server added (BOS for a text prompt), not part of the echoed text.
+    added_bos: usize,
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let o = read_json(body, st.body_limit).await?;
-    let prompt = match o.get("prompt") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(Value::String(_)) => {
-            return Err(ApiError::invalid(Some("prompt"), "`prompt` is empty"));
-        }
-        _ => {
-            return Err(ApiError::invalid(
-                Some("prompt"),
-                "`prompt` must be a string",
-            ));
-        }
-    };
-    let p = params(&o, &st)?;
-    let ids = st
-        .tokenizer
-        .encode(&prompt, true)
-        .map_err(|e| ApiError::server(e.to_string()))?;
-    submit(&st, Kind::Text, ids, p).await
+    let prompts = text_prompts(o.get("prompt"), &st)?;
+    let p = params(&o, &st, Kind::Text)?;
+    submit(&st, Kind::Text, prompts, p).await
 }
 
-/// Checks the prompt against the context, queues the job and answers as JSON or SSE.
+/// `prompt` as OpenAI takes it: a string, an array of token ids, or an array of either (one
+/// choice each). Text is encoded with the model's BOS; token ids are used as they are.
+fn text_prompts(v: Option<&Value>, st: &AppState) -> Result<Vec<Prompt>, ApiError> {
+    let shape = "`prompt` must be a string, an array of token ids, or an array of strings or of token-id arrays";
+    let text = |s: &str| -> Result<Prompt, ApiError> {
+        if s.is_empty() {
+            return Err(ApiError::invalid(Some("prompt"), "`prompt` is empty"));
+        }
+        let ids = st
+            .tokenizer
+            .encode(s, true)
+            .map_err(|e| ApiError::server(e.to_string()))?;
+        let added_bos = usize::from(st.tokenizer.add_bos() && st.tokenizer.bos_id().is_some());
+        Ok(Prompt { ids, added_bos })
+    };
+    let tokens = |a: &[Value]| -> Result<Prompt, ApiError> {
+        if a.is_empty() {
+            return Err(ApiError::invalid(Some("prompt"), "`prompt` is empty"));
+        }
+        let ids = a
+            .iter()
+            .map(|t| match t.as_u64() {
+                Some(id) if (id as usize) < st.vocab => Ok(id as u32),
+                _ => Err(ApiError::invalid(
+                    Some("prompt"),
+                    format!(
+                        "`prompt` token {t} is not a token id: expected an integer below the vocabulary size {}",
+                        st.vocab
+                    ),
+                )),
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        Ok(Prompt { ids, added_bos: 0 })
+    };
+    match v {
+        Some(Value::String(s)) => Ok(vec![text(s)?]),
+        Some(Value::Array(a)) if a.first().is_some_and(Value::is_number) => Ok(vec![tokens(a)?]),
+        Some(Value::Array(a)) if !a.is_empty() => a
+            .iter()
+            .map(|p| match p {
+                Value::String(s) => text(s),
+                Value::Array(t) => tokens(t),
+                _ => Err(ApiError::invalid(Some("prompt"), shape)),
+            })
+            .collect(),
+        Some(Value::Array(_)) => Err(ApiError::invalid(Some("prompt"), "`prompt` is empty")),
+        _ => Err(ApiError::invalid(Some("prompt"), shape)),
+    }
+}
+
+/// Checks each prompt against the context, queues one job per prompt and answers as JSON or SSE.
 async fn submit(
     st: &Arc<AppState>,
     kind: Kind,
-    ids: Vec<u32>,
+    prompts: Vec<Prompt>,
     p: Params,
 ) -> Result<Response, ApiError> {
+    if p.stream && prompts.len() > 1 {
+        return Err(ApiError::invalid(
+            Some("prompt"),
+            "streaming takes one prompt: send the others as their own requests",
+        ));
+    }
+    let mut receivers = Vec::with_capacity(prompts.len());
+    // A later prompt that cannot be queued drops the earlier receivers, which cancels their jobs.
+    for prompt in &prompts {
+        receivers.push(enqueue(st, kind, prompt.ids.clone(), &p)?);
+    }
+    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = match kind {
+        Kind::Chat => format!("chatcmpl-{n}"),
+        Kind::Text => format!("cmpl-{n}"),
+    };
+    let head = Head {
+        id,
+        created: unix_now(),
+        model: st.model_id.clone(),
+        kind,
+    };
+    if p.stream {
+        let rx = receivers
+            .pop()
+            .ok_or_else(|| ApiError::server("no prompt was queued"))?;
+        return Ok(stream(head, rx, Arc::clone(st)).into_response());
+    }
+    let mut choices = Vec::with_capacity(prompts.len());
+    let mut finishes = Vec::with_capacity(prompts.len());
+    for (index, (rx, prompt)) in receivers.into_iter().zip(&prompts).enumerate() {
+        let out = collect(rx).await?;
+        choices.push(choice(st, kind, index, prompt, &out, &p)?);
+        finishes.push(out.finish);
+    }
+    let object = match kind {
+        Kind::Chat => "chat.completion",
+        Kind::Text => "text_completion",
+    };
+    Ok(axum::Json(json!({
+        "id": head.id, "object": object, "created": head.created, "model": head.model,
+        "choices": choices, "usage": usage(&finishes),
+    }))
+    .into_response())
+}
+
+/// Queues one job; the receiver gets its events.
+fn enqueue(
+    st: &AppState,
+    kind: Kind,
+    ids: Vec<u32>,
+    p: &Params,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
     if ids.is_empty() {
         return Err(ApiError::invalid(None, "the prompt encodes to no tokens"));
     }
     let room = st.ctx.saturating_sub(ids.len());
     let max_tokens = p.max_tokens.unwrap_or(room);
-    if room == 0 || max_tokens > room {
+    // Generating needs room for one token; `max_tokens: 0` needs only the prompt to fit.
+    if ids.len() > st.ctx || max_tokens > room || (p.max_tokens.is_none() && room == 0) {
         return Err(ApiError {
             status: StatusCode::BAD_REQUEST,
             message: format!(
@@ -441,7 +606,10 @@ async fn submit(
                 st.ctx
             ),
             kind: "invalid_request_error",
-            param: Some("messages"),
+            param: Some(match kind {
+                Kind::Chat => "messages",
+                Kind::Text => "prompt",
+            }),
             code: Some("context_length_exceeded"),
         });
     }
@@ -449,10 +617,12 @@ async fn submit(
     let job = Job {
         prompt: ids,
         max_tokens,
-        sampler: p.sampler,
-        stop: p.stop,
+        sampler: p.sampler.clone(),
+        stop: p.stop.clone(),
         fill: p.fill,
         ignore_eos: p.ignore_eos,
+        logprobs: p.logprobs,
+        prompt_logprobs: if p.echo { p.logprobs } else { None },
         events: tx,
         received: Instant::now(),
     };
@@ -480,22 +650,7 @@ async fn submit(
         });
     }
     st.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
-    let id = match kind {
-        Kind::Chat => format!("chatcmpl-{n}"),
-        Kind::Text => format!("cmpl-{n}"),
-    };
-    let head = Head {
-        id,
-        created: unix_now(),
-        model: st.model_id.clone(),
-        kind,
-    };
-    if p.stream {
-        Ok(stream(head, rx).into_response())
-    } else {
-        whole(head, rx).await
-    }
+    Ok(rx)
 }
 
 /// What every response object of one request repeats.
@@ -506,51 +661,181 @@ struct Head {
     kind: Kind,
 }
 
-fn usage(f: &Finish) -> Value {
+/// Token counts summed over the request's choices; times are the slowest choice's.
+fn usage(fs: &[Finish]) -> Value {
+    let prompt: usize = fs.iter().map(|f| f.prompt_tokens).sum();
+    let completion: usize = fs.iter().map(|f| f.completion_tokens).sum();
+    let ms = |g: fn(&Finish) -> f64| fs.iter().map(g).fold(0.0, f64::max);
     json!({
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-        "prefill_ms": f.prefill_ms,
-        "ttft_ms": f.ttft_ms,
-        "fill": f.filled,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prefill_ms": ms(|f| f.prefill_ms),
+        "ttft_ms": ms(|f| f.ttft_ms),
+        "fill": fs.iter().any(|f| f.filled),
     })
 }
 
-async fn whole(h: Head, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+/// Everything one job sent.
+struct Outcome {
+    text: String,
+    /// With `echo` and `logprobs`: the prompt's tokens after the first.
+    prompt_lp: Vec<TokenLogprob>,
+    /// With `logprobs`: every sampled token's.
+    tokens: Vec<TokenLogprob>,
+    finish: Finish,
+}
+
+async fn collect(mut rx: UnboundedReceiver<Event>) -> Result<Outcome, ApiError> {
     let mut text = String::new();
-    let finish = loop {
+    let mut prompt_lp = Vec::new();
+    let mut tokens = Vec::new();
+    loop {
         match rx.recv().await {
             Some(Event::Text(t)) => text.push_str(&t),
-            Some(Event::Done(f)) => break f,
+            Some(Event::Prompt(lp)) => prompt_lp = lp,
+            Some(Event::Token(lp)) => tokens.push(lp),
+            Some(Event::Done(finish)) => {
+                return Ok(Outcome {
+                    text,
+                    prompt_lp,
+                    tokens,
+                    finish,
+                });
+            }
             Some(Event::Failed(e)) => return Err(ApiError::server(e)),
             None => return Err(ApiError::server("the request was dropped by the scheduler")),
         }
-    };
-    let choice = match h.kind {
-        Kind::Chat => {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish.reason, "logprobs": null})
+    }
+}
+
+/// One entry of `choices` for a whole (not streamed) response.
+fn choice(
+    st: &AppState,
+    kind: Kind,
+    index: usize,
+    prompt: &Prompt,
+    out: &Outcome,
+    p: &Params,
+) -> Result<Value, ApiError> {
+    if kind == Kind::Chat {
+        return Ok(
+            json!({"index": index, "message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish.reason, "logprobs": null}),
+        );
+    }
+    let mut lp = Logprobs::default();
+    let mut text = String::new();
+    if p.echo {
+        let shown = &prompt.ids[prompt.added_bos.min(prompt.ids.len())..];
+        let (echoed, offsets) = decode_with_offsets(&st.tokenizer, shown)?;
+        // Tokens the server added (BOS) sit at offset 0 with no text of their own.
+        let offsets = std::iter::repeat_n(0, prompt.ids.len() - shown.len()).chain(offsets);
+        for (i, (&id, offset)) in prompt.ids.iter().zip(offsets).enumerate() {
+            // OpenAI gives the first prompt token no logprob: nothing precedes it.
+            let entry = i.checked_sub(1).and_then(|j| out.prompt_lp.get(j));
+            lp.push(st, id, entry, offset);
         }
-        Kind::Text => {
-            json!({"index": 0, "text": text, "finish_reason": finish.reason, "logprobs": null})
+        text = echoed;
+    }
+    let base = text.chars().count();
+    text.push_str(&out.text);
+    for t in &out.tokens {
+        lp.push(st, t.id, Some(t), base + char_offset(&out.text, t.offset));
+    }
+    let logprobs = if p.logprobs.is_some() {
+        lp.into_json()
+    } else {
+        Value::Null
+    };
+    Ok(
+        json!({"index": index, "text": text, "finish_reason": out.finish.reason, "logprobs": logprobs}),
+    )
+}
+
+/// OpenAI's legacy `logprobs` object, built token by token.
+#[derive(Default)]
+struct Logprobs {
+    tokens: Vec<Value>,
+    token_logprobs: Vec<Value>,
+    top_logprobs: Vec<Value>,
+    text_offset: Vec<Value>,
+}
+
+impl Logprobs {
+    /// Adds token `id` at char `offset`; `lp` is `None` for the first prompt token.
+    fn push(&mut self, st: &AppState, id: u32, lp: Option<&TokenLogprob>, offset: usize) {
+        self.tokens.push(json!(token_text(st, id)));
+        self.text_offset.push(json!(offset));
+        match lp {
+            Some(t) => {
+                self.token_logprobs.push(json!(t.logprob));
+                let mut top = serde_json::Map::new();
+                for &(j, v) in &t.top {
+                    top.entry(token_text(st, j)).or_insert(json!(v));
+                }
+                // OpenAI always lists the chosen token too: up to logprobs + 1 entries.
+                top.entry(token_text(st, t.id)).or_insert(json!(t.logprob));
+                self.top_logprobs.push(Value::Object(top));
+            }
+            None => {
+                self.token_logprobs.push(Value::Null);
+                self.top_logprobs.push(Value::Null);
+            }
         }
-    };
-    let object = match h.kind {
-        Kind::Chat => "chat.completion",
-        Kind::Text => "text_completion",
-    };
-    Ok(axum::Json(json!({
-        "id": h.id, "object": object, "created": h.created, "model": h.model,
-        "choices": [choice], "usage": usage(&finish),
-    }))
-    .into_response())
+    }
+
+    fn into_json(self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        })
+    }
+}
+
+/// A token's own text (special tokens by name; a piece of a multi-byte character comes out
+/// lossy, as it does from HF's decoder).
+fn token_text(st: &AppState, id: u32) -> String {
+    st.tokenizer
+        .decode(&[id], false)
+        .unwrap_or_else(|_| format!("<id {id}>"))
+}
+
+/// The text of `ids` and each token's char offset in it, decoded as a stream (a character split
+/// across tokens lands at the token that completes it).
+fn decode_with_offsets(tok: &Tokenizer, ids: &[u32]) -> Result<(String, Vec<usize>), ApiError> {
+    let mut dec = tok.stream_decoder(false);
+    let mut text = String::new();
+    let mut chars = 0;
+    let mut offsets = Vec::with_capacity(ids.len());
+    for &id in ids {
+        offsets.push(chars);
+        if let Some(piece) = dec.push(id).map_err(|e| ApiError::server(e.to_string()))? {
+            chars += piece.chars().count();
+            text.push_str(&piece);
+        }
+    }
+    Ok((text, offsets))
+}
+
+/// The char offset of byte offset `at` in `text` (clamped to the text: a stop string may have
+/// cut the tokens after it away).
+fn char_offset(text: &str, at: usize) -> usize {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    text[..at].chars().count()
 }
 
 /// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. Dropping the stream
-/// (the client went away) closes the receiver, which frees the request's slot.
+/// (the client went away) closes the receiver, which frees the request's slot. A completion's
+/// token logprobs ride on the chunk that carries their text.
 fn stream(
     h: Head,
     rx: UnboundedReceiver<Event>,
+    st: Arc<AppState>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let object = match h.kind {
         Kind::Chat => "chat.completion.chunk",
@@ -564,54 +849,100 @@ fn stream(
         SseEvent::default().data(v.to_string())
     };
     let kind = h.kind;
-    // State: the receiver, whether the role chunk went out, whether the stream has ended.
-    let s = futures_util::stream::unfold((rx, false, false), move |(mut rx, started, ended)| {
+    let state = StreamState {
+        rx,
+        started: false,
+        ended: false,
+        text: String::new(),
+        pending: Vec::new(),
+    };
+    let s = futures_util::stream::unfold(state, move |mut s| {
         let chunk = chunk.clone();
+        let st = Arc::clone(&st);
         async move {
-            if ended {
+            if s.ended {
                 return None;
             }
-            if kind == Kind::Chat && !started {
+            if kind == Kind::Chat && !s.started {
+                s.started = true;
                 let c = chunk(
                     json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
                     None,
                 );
-                return Some((Ok(c), (rx, true, false)));
+                return Some((Ok(c), s));
             }
-            let ev = match rx.recv().await {
-                Some(Event::Text(t)) => match kind {
-                    Kind::Chat => chunk(
-                        json!({"index": 0, "delta": {"content": t}, "finish_reason": null}),
-                        None,
-                    ),
-                    Kind::Text => {
-                        chunk(json!({"index": 0, "text": t, "finish_reason": null}), None)
+            s.started = true;
+            let ev = loop {
+                match s.rx.recv().await {
+                    Some(Event::Token(t)) => s.pending.push(t),
+                    Some(Event::Prompt(_)) => {}
+                    Some(Event::Text(t)) => {
+                        s.text.push_str(&t);
+                        break match kind {
+                            Kind::Chat => chunk(
+                                json!({"index": 0, "delta": {"content": t}, "finish_reason": null}),
+                                None,
+                            ),
+                            Kind::Text => chunk(
+                                json!({"index": 0, "text": t, "finish_reason": null, "logprobs": s.take_logprobs(&st)}),
+                                None,
+                            ),
+                        };
                     }
-                },
-                // After the last event the receiver is closed: the next poll sends [DONE].
-                Some(Event::Done(f)) => {
-                    rx.close();
-                    match kind {
-                        Kind::Chat => chunk(
-                            json!({"index": 0, "delta": {}, "finish_reason": f.reason}),
-                            Some(usage(&f)),
-                        ),
-                        Kind::Text => chunk(
-                            json!({"index": 0, "text": "", "finish_reason": f.reason}),
-                            Some(usage(&f)),
-                        ),
+                    // After the last event the receiver is closed: the next poll sends [DONE].
+                    Some(Event::Done(f)) => {
+                        s.rx.close();
+                        break match kind {
+                            Kind::Chat => chunk(
+                                json!({"index": 0, "delta": {}, "finish_reason": f.reason}),
+                                Some(usage(std::slice::from_ref(&f))),
+                            ),
+                            Kind::Text => chunk(
+                                json!({"index": 0, "text": "", "finish_reason": f.reason, "logprobs": s.take_logprobs(&st)}),
+                                Some(usage(std::slice::from_ref(&f))),
+                            ),
+                        };
+                    }
+                    Some(Event::Failed(e)) => {
+                        s.rx.close();
+                        break SseEvent::default().data(
+                            json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}).to_string(),
+                        );
+                    }
+                    None => {
+                        s.ended = true;
+                        return Some((Ok(SseEvent::default().data("[DONE]")), s));
                     }
                 }
-                Some(Event::Failed(e)) => {
-                    rx.close();
-                    SseEvent::default().data(
-                        json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}).to_string(),
-                    )
-                }
-                None => return Some((Ok(SseEvent::default().data("[DONE]")), (rx, true, true))),
             };
-            Some((Ok(ev), (rx, true, false)))
+            Some((Ok(ev), s))
         }
     });
     Sse::new(s).keep_alive(KeepAlive::default())
+}
+
+/// Where a stream stands.
+struct StreamState {
+    rx: UnboundedReceiver<Event>,
+    /// Whether the chat role chunk went out.
+    started: bool,
+    ended: bool,
+    /// The completion text sent so far (token offsets are into it).
+    text: String,
+    /// Token logprobs whose text has not gone out yet.
+    pending: Vec<TokenLogprob>,
+}
+
+impl StreamState {
+    /// The pending tokens' logprobs object (`null` when the request asked for none).
+    fn take_logprobs(&mut self, st: &AppState) -> Value {
+        if self.pending.is_empty() {
+            return Value::Null;
+        }
+        let mut lp = Logprobs::default();
+        for t in self.pending.drain(..) {
+            lp.push(st, t.id, Some(&t), char_offset(&self.text, t.offset));
+        }
+        lp.into_json()
+    }
 }

@@ -3,6 +3,11 @@
 //! prompt (skip-and-fill too), so a long prompt delays the running streams by at most one chunk
 //! per step; every
 //! sequence that is decoding advances in one batched step ([`Decoder::decode_batch`](ridgefill::model::Decoder::decode_batch)).
+//!
+//! A request asking for log-probabilities gets them from the same logits it samples from; one
+//! that wants its prompt's (OpenAI's `echo` with `logprobs`, what evaluation harnesses score
+//! with) is prefilled in full with every position's logits, since skip-and-fill computes no
+//! logits for the rows it skips.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -31,6 +36,11 @@ pub struct Job {
     pub fill: bool,
     /// Generate `max_tokens` even past EOS (benchmarks).
     pub ignore_eos: bool,
+    /// Log-probabilities of the generated tokens, with this many alternatives each.
+    pub logprobs: Option<usize>,
+    /// Also the prompt's log-probabilities (every token after the first), with this many
+    /// alternatives each; forces full prefill.
+    pub prompt_logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -40,6 +50,12 @@ pub struct Job {
 pub enum Event {
     /// Newly completed text (never splits a UTF-8 character or a possible stop string).
     Text(String),
+    /// The log-probabilities of the prompt's tokens after the first, in order (sent once, after
+    /// the prefill and before any text).
+    Prompt(Vec<TokenLogprob>),
+    /// The log-probability of one generated token (sent before the text it completes, and for a
+    /// token that ends the completion, such as EOS, too).
+    Token(TokenLogprob),
     Done(Finish),
     /// The request could not be completed (a model error, or the server shutting down).
     Failed(String),
@@ -55,6 +71,49 @@ pub struct Finish {
     pub ttft_ms: f64,
     /// Whether skip-and-fill ran the prefill.
     pub filled: bool,
+}
+
+/// One token's log-probability under the model, with the most likely tokens at its position.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+    /// Byte offset of the token's text in the completion text (0 for prompt tokens).
+    pub offset: usize,
+}
+
+impl TokenLogprob {
+    /// The log-softmax of `row` at `id`, and the `n` most likely tokens of the row; every value
+    /// is the same expression of the same logit, so a greedy token's logprob equals its top-1.
+    ///
+    /// # Shapes
+    /// - row: `[vocab]`
+    pub fn of(row: &[f32], id: u32, n: usize) -> TokenLogprob {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+        // Accumulated in f64: a 49k-term sum in f32 loses the small terms.
+        let lse = f64::from(max) + sum.ln();
+        let lp = |x: f32| (f64::from(x) - lse) as f32;
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+        if n > 0 {
+            for (j, &x) in row.iter().enumerate() {
+                if top.len() == n && top.last().is_some_and(|&(_, v)| x <= v) {
+                    continue;
+                }
+                let at = top.partition_point(|&(_, v)| v >= x);
+                top.insert(at, (j as u32, x));
+                top.truncate(n);
+            }
+        }
+        TokenLogprob {
+            id,
+            logprob: row.get(id as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+            top: top.into_iter().map(|(j, x)| (j, lp(x))).collect(),
+            offset: 0,
+        }
+    }
 }
 
 /// The fill the server was started with.
@@ -85,6 +144,8 @@ struct Seq<'t> {
     done_reason: Option<&'static str>,
     /// A skip-and-fill prefill in progress.
     fill_state: Option<Prefill<'t>>,
+    /// The prompt's log-probabilities gathered so far (with `Job::prompt_logprobs`).
+    prompt_lp: Vec<TokenLogprob>,
 }
 
 pub struct Engine<'m> {
@@ -179,9 +240,10 @@ impl<'m> Engine<'m> {
                 }
             };
             self.metrics.record_decode(ready.len(), t0.elapsed());
-            let tokens = sample_rows(&mut samplers, &logits, self.model.config.vocab_size);
-            for (&token, &i) in tokens.iter().zip(&ready) {
-                active[i].accept(token, &eos);
+            let vocab = self.model.config.vocab_size;
+            let tokens = sample_rows(&mut samplers, &logits, vocab);
+            for (row, (&token, &i)) in tokens.iter().zip(&ready).enumerate() {
+                active[i].accept(token, &logits[row * vocab..(row + 1) * vocab], &eos);
             }
             // Finished sequences leave; their slots take new requests next round.
             let mut i = 0;
@@ -198,7 +260,8 @@ impl<'m> Engine<'m> {
 
     fn start(&self, job: Job) -> Seq<'m> {
         let capacity = job.prompt.len() + job.max_tokens;
-        let filled = job.fill && self.fill.is_some();
+        // Prompt logprobs need every position's logits: full prefill.
+        let filled = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
         Seq {
             cache: self.model.new_cache(capacity),
             sampler: Sampler::new(job.sampler.clone()),
@@ -214,12 +277,14 @@ impl<'m> Engine<'m> {
             prefill_started: None,
             done_reason: None,
             fill_state: None,
+            prompt_lp: Vec::new(),
             job,
         }
     }
 
     /// Prefills the next chunk of `s` (under skip-and-fill, a chunk of the layers below the
-    /// split, then the upper layers' pass); after the last, samples and sends the first token.
+    /// split, then the upper layers' pass; with prompt logprobs, every row's logits); after the
+    /// last, sends the prompt's logprobs, then samples and sends the first token.
     fn prefill_chunk(&self, s: &mut Seq<'m>, eos: &[u32]) -> anyhow::Result<()> {
         let started = *s.prefill_started.get_or_insert_with(Instant::now);
         let n = s.job.prompt.len();
@@ -230,20 +295,35 @@ impl<'m> Engine<'m> {
             s.filled = p.skips();
             s.fill_state = s.filled.then_some(p);
         }
-        let logits = match &mut s.fill_state {
+        let logits: Option<Vec<f32>> = match &mut s.fill_state {
             Some(st) => {
                 let l = st.step(&mut s.cache)?;
                 if l.is_some() {
                     s.prefilled = n;
                     s.fill_state = None;
                 }
-                l
+                l.map(to_host_f32)
             }
             _ => {
-                let end = (s.prefilled + PREFILL_CHUNK).min(n);
-                let l = self
-                    .model
-                    .prefill(&s.job.prompt[s.prefilled..end], &mut s.cache)?;
+                let start = s.prefilled;
+                let end = (start + PREFILL_CHUNK).min(n);
+                let chunk = &s.job.prompt[start..end];
+                let l = match s.job.prompt_logprobs {
+                    Some(top) => {
+                        let all = self.model.forward_all_logits(chunk, &mut s.cache)?;
+                        let all = to_host_f32(all);
+                        let vocab = self.model.config.vocab_size;
+                        check_finite(&all, vocab, start)?;
+                        // Row i predicts the prompt token after position start + i.
+                        for (i, row) in all.chunks_exact(vocab).enumerate() {
+                            if let Some(&next) = s.job.prompt.get(start + i + 1) {
+                                s.prompt_lp.push(TokenLogprob::of(row, next, top));
+                            }
+                        }
+                        all[all.len() - vocab..].to_vec()
+                    }
+                    None => to_host_f32(self.model.prefill(chunk, &mut s.cache)?),
+                };
                 s.prefilled = end;
                 (end == n).then_some(l)
             }
@@ -251,25 +331,30 @@ impl<'m> Engine<'m> {
         let Some(logits) = logits else {
             return Ok(());
         };
-        let logits = to_host_f32(logits);
-        if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
-            anyhow::bail!(
-                "non-finite logit for token id {i} after the prompt: the model's activations overflowed"
-            );
-        }
+        check_finite(&logits, logits.len(), n - 1)?;
         s.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
         self.metrics.record_prefill(n, started.elapsed());
-        let first = s.sampler.sample(&logits);
+        if s.job.prompt_logprobs.is_some() {
+            let lp = std::mem::take(&mut s.prompt_lp);
+            let _ = s.job.events.send(Event::Prompt(lp));
+        }
         s.ttft_ms = s.job.received.elapsed().as_secs_f64() * 1e3;
         self.metrics.record_ttft(s.ttft_ms / 1e3);
-        s.accept(first, eos);
+        // OpenAI's `max_tokens: 0` (with `echo`, the prompt's logprobs alone): nothing to sample.
+        if s.job.max_tokens == 0 {
+            s.done_reason = Some("length");
+            return Ok(());
+        }
+        let first = s.sampler.sample(&logits);
+        s.accept(first, &logits, eos);
         Ok(())
     }
 
     fn finish(&self, mut s: Seq<'m>) {
         s.flush_all();
         let reason = s.done_reason.unwrap_or("stop");
-        self.metrics.record_done(s.job.prompt.len(), s.generated);
+        self.metrics
+            .record_done(s.job.prompt.len(), s.generated, s.filled);
         let _ = s.job.events.send(Event::Done(Finish {
             reason,
             prompt_tokens: s.job.prompt.len(),
@@ -281,10 +366,32 @@ impl<'m> Engine<'m> {
     }
 }
 
+/// Fails on the first non-finite logit of `logits` (rows of `vocab`, the first at prompt
+/// position `first_pos`).
+fn check_finite(logits: &[f32], vocab: usize, first_pos: usize) -> anyhow::Result<()> {
+    if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+        anyhow::bail!(
+            "non-finite logit for token id {} after prompt position {}: the model's activations overflowed",
+            i % vocab.max(1),
+            first_pos + i / vocab.max(1)
+        );
+    }
+    Ok(())
+}
+
 impl Seq<'_> {
-    /// Takes the sampled token: ends on EOS, a stop string or `max_tokens`; else streams its
-    /// text and queues it for the next decode step.
-    fn accept(&mut self, token: u32, eos: &[u32]) {
+    /// Takes the token sampled from `logits`: ends on EOS, a stop string or `max_tokens`; else
+    /// streams its text and queues it for the next decode step.
+    ///
+    /// # Shapes
+    /// - logits: `[vocab]`
+    fn accept(&mut self, token: u32, logits: &[f32], eos: &[u32]) {
+        if let Some(top) = self.job.logprobs {
+            // Reported for an ending EOS too: a scorer counts on one entry per sampled token.
+            let mut lp = TokenLogprob::of(logits, token, top);
+            lp.offset = self.text.len();
+            let _ = self.job.events.send(Event::Token(lp));
+        }
         if eos.contains(&token) && !self.job.ignore_eos {
             self.done_reason = Some("stop");
             return;

@@ -22,6 +22,8 @@ pub struct Metrics {
 struct Inner {
     prompt_tokens: u64,
     completion_tokens: u64,
+    /// Completed requests whose prompt skipped upper layers (skip-and-fill ran).
+    filled: u64,
     prefill_tokens: u64,
     prefill_seconds: f64,
     decode_tokens: u64,
@@ -67,10 +69,11 @@ impl Metrics {
         });
     }
 
-    pub fn record_done(&self, prompt: usize, completion: usize) {
+    pub fn record_done(&self, prompt: usize, completion: usize, filled: bool) {
         self.with(|m| {
             m.prompt_tokens += prompt as u64;
             m.completion_tokens += completion as u64;
+            m.filled += u64::from(filled);
         });
     }
 
@@ -107,6 +110,13 @@ impl Metrics {
             "counter",
             "Generated tokens of completed requests.",
             m.completion_tokens.to_string(),
+        );
+        // What an evaluation against a fill server checks: the fill really ran.
+        metric(
+            "filled_requests_total",
+            "counter",
+            "Completed requests prefilled with skip-and-fill.",
+            m.filled.to_string(),
         );
         metric(
             "queue_depth",

@@ -81,6 +81,7 @@ pub fn run(a: Args) -> Result<()> {
         model_id,
         tokenizer: loaded.ckpt.tokenizer.clone(),
         template: loaded.ckpt.chat_template.clone(),
+        vocab: cfg.vocab_size,
         ctx,
         has_fill: fill.is_some(),
         body_limit: a.max_body,
