@@ -1,9 +1,10 @@
 //! `ridgefill serve` end to end on 127.0.0.1 with the real SmolLM2: chat and text completions,
 //! plain and streamed; every bad request gets its OpenAI-shaped 4xx and the server keeps
 //! answering; concurrent greedy requests give the outputs they give alone; SIGTERM stops the
-//! server cleanly; `echo` + `logprobs` score a text as `ridgefill score` does, and the tokenizer
-//! export gives HF tools the same ids. `RIDGEFILL_PYTHON` must name an interpreter that has the
-//! `openai` package (`scripts/test.sh` sets one up), through which
+//! server cleanly; `echo` + `logprobs` score a text as `ridgefill score` does; `usage` reports
+//! what skip-and-fill filled, and a failed self-check falls back to full prefill's answer; the
+//! tokenizer export gives HF tools the same ids. `RIDGEFILL_PYTHON` must name an interpreter
+//! that has the `openai` package (`scripts/test.sh` sets one up), through which
 //! `scripts/openai_client_check.py` talks to it.
 
 mod common;
@@ -525,6 +526,25 @@ fn nll(choice: &Value, range: std::ops::Range<usize>) -> f64 {
         .sum()
 }
 
+/// A quick fit (as the CLI tests' fill files) at the shipped split 15, calibrated on
+/// `tests/data/score.txt`, into `dir`: (the corpus, the fill file).
+fn quick_fill(dir: &std::path::Path) -> (String, std::path::PathBuf) {
+    let ckpt = common::smollm2_ckpt();
+    let (fill, calib) = (dir.join("s15.fill"), dir.join("calib"));
+    std::fs::create_dir(&calib).unwrap();
+    let corpus = std::fs::read_to_string(common::repo().join("tests/data/score.txt")).unwrap();
+    std::fs::write(calib.join("score.txt"), &corpus).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (model, calib_s, fill_s) = (s(&ckpt.path), s(&calib), s(&fill));
+    let fit = [
+        "fit", "-m", &model, "--device", "cpu", "--calib", &calib_s, "--split", "15", "--ctx",
+        "256", "--alpha", "1e-3", "-o", &fill_s,
+    ];
+    let (ok, _, stderr) = common::ridgefill(&fit);
+    assert!(ok, "fit: {stderr}");
+    (corpus, fill)
+}
+
 /// OpenAI's legacy `echo` + `logprobs`, the way lm-evaluation-harness scores a continuation: the
 /// NLL of a text through the server equals `ridgefill score` on it (the same tokens: the
 /// server's text prompt gets the same BOS handling), on a server with a fill file too (prompt
@@ -535,19 +555,9 @@ fn serve_scores_prompts_with_echo_and_logprobs() {
     let ckpt = common::smollm2_ckpt();
     let dir = tempfile::tempdir().unwrap();
     let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
-    let (fill, calib) = (dir.path().join("s15.fill"), dir.path().join("calib"));
-    std::fs::create_dir(&calib).unwrap();
-    let corpus = std::fs::read_to_string(common::repo().join("tests/data/score.txt")).unwrap();
-    std::fs::write(calib.join("score.txt"), &corpus).unwrap();
     let model = s(&ckpt.path);
-    // A quick fit (as the CLI tests' fill files), at the shipped split.
-    let (calib_s, fill_s) = (s(&calib), s(&fill));
-    let fit = [
-        "fit", "-m", &model, "--device", "cpu", "--calib", &calib_s, "--split", "15", "--ctx",
-        "256", "--alpha", "1e-3", "-o", &fill_s,
-    ];
-    let (ok, _, stderr) = common::ridgefill(&fit);
-    assert!(ok, "fit: {stderr}");
+    let (corpus, fill) = quick_fill(dir.path());
+    let fill_s = s(&fill);
 
     // Over two prefill chunks (256 rows), inside one `score` window.
     let text: String = corpus.chars().take(1800).collect();
@@ -791,6 +801,141 @@ fn serve_scores_prompts_with_echo_and_logprobs() {
         assert!(msg.contains(needle), "{body}: {msg:?} lacks {needle:?}");
         assert_eq!(r["error"]["type"], "invalid_request_error");
     }
+}
+
+/// The value of an unlabelled Prometheus sample `name` in `/metrics` text.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+/// Per-request fill reports: on a fill server `usage.fill_report` says how many rows were filled,
+/// the exact tail, the split and the self-check's error, in whole and streamed responses of both
+/// endpoints, and `/metrics` adds up the filled rows. With `--max-fill-error` below any error the
+/// self-check falls back: nothing is filled, and the greedy answer is full prefill's exactly.
+#[test]
+fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let (corpus, fill) = quick_fill(dir.path());
+    let fill_s = fill.to_str().unwrap();
+    // Several hundred tokens over two prefill chunks: a bulk well past sink and tail.
+    let text: String = corpus.chars().take(1800).collect();
+    let server = start(&["--ctx", "1024", "--fill", fill_s]);
+    let strict = start(&[
+        "--ctx",
+        "1024",
+        "--fill",
+        fill_s,
+        "--max-fill-error",
+        "1e-9",
+    ]);
+    let body = json!({"prompt": text, "max_tokens": GREEDY_TOKENS, "temperature": 0});
+    let full_body = {
+        let mut b = body.clone();
+        b["fill"] = json!(false);
+        b
+    };
+
+    let (status, r) = post(server.port, "/v1/completions", &body);
+    assert_eq!(status, 200, "{r}");
+    let (u, rep) = (&r["usage"], &r["usage"]["fill_report"]);
+    assert_eq!(u["fill"], true, "{r}");
+    let prompt_tokens = u["prompt_tokens"].as_u64().unwrap();
+    let filled = rep["filled_rows"].as_u64().unwrap_or_else(|| panic!("{r}"));
+    let tail = rep["exact_tail"].as_u64().unwrap();
+    assert!(filled > 0 && filled + tail < prompt_tokens, "{r}");
+    assert!(tail >= 16, "--tail 16 at least: {r}");
+    assert_eq!(rep["split"], 15, "{r}");
+    assert_eq!(rep["fell_back"], false, "{r}");
+    let error = rep["self_check_error"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(error > 0.0 && error.is_finite(), "{r}");
+    eprintln!("fill report of a {prompt_tokens}-token prompt: {rep}");
+
+    // Streamed chat: the last chunk's usage carries the report.
+    let chat = chat_body(&text, json!({"stream": true, "max_tokens": 4}));
+    let (status, _, sse_body) = http(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        chat.to_string().as_bytes(),
+    );
+    assert_eq!(status, 200, "{sse_body}");
+    let usage: Vec<Value> = sse(&sse_body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c.get("usage").cloned())
+        .collect();
+    assert_eq!(usage.len(), 1, "usage on the last chunk only: {sse_body}");
+    let chat_filled = usage[0]["fill_report"]["filled_rows"].as_u64().unwrap();
+    assert!(chat_filled > 0, "{}", usage[0]);
+    assert_eq!(usage[0]["fill"], true);
+
+    // `"fill": false` runs no fill and reports none; a prompt within the exact tail fills nothing.
+    let (status, full) = post(server.port, "/v1/completions", &full_body);
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["usage"]["fill"], false, "{full}");
+    assert!(full["usage"]["fill_report"].is_null(), "{full}");
+    let (status, r) = post(
+        server.port,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{r}");
+    let rep = &r["usage"]["fill_report"];
+    assert_eq!(r["usage"]["fill"], false, "{r}");
+    assert_eq!(rep["filled_rows"], 0, "{r}");
+    assert_eq!(rep["exact_tail"], r["usage"]["prompt_tokens"], "{r}");
+    assert!(
+        rep["split"].is_null() && rep["self_check_error"].is_null(),
+        "{r}"
+    );
+    let (_, _, m) = http(server.port, "GET", "/metrics", b"");
+    assert_eq!(
+        metric(&m, "ridgefill_filled_rows_total"),
+        (filled + chat_filled) as f64
+    );
+    assert_eq!(metric(&m, "ridgefill_filled_requests_total"), 2.0);
+    assert_eq!(metric(&m, "ridgefill_fill_fallbacks_total"), 0.0);
+
+    // The strict server: the same self-check error, over the limit, so every row runs every
+    // layer: full prefill's greedy answer, token for token.
+    let (status, r) = post(strict.port, "/v1/completions", &body);
+    assert_eq!(status, 200, "{r}");
+    let rep = &r["usage"]["fill_report"];
+    assert_eq!(rep["fell_back"], true, "{r}");
+    assert_eq!(rep["filled_rows"], 0, "{r}");
+    assert!(rep["split"].is_null(), "{r}");
+    assert_eq!(r["usage"]["fill"], false, "{r}");
+    let strict_error = rep["self_check_error"].as_f64().unwrap();
+    assert!(
+        (strict_error - error).abs() <= 1e-4 * error,
+        "{strict_error} vs {error}"
+    );
+    let answer = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(
+        answer(&r),
+        answer(&full),
+        "fallback vs the fill server's full prefill"
+    );
+    let (_, strict_full) = post(strict.port, "/v1/completions", &full_body);
+    assert_eq!(answer(&r), answer(&strict_full));
+    // Chat falls back the same way.
+    let chat = chat_body(&text, json!({}));
+    let (status, r) = post(strict.port, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["fill_report"]["fell_back"], true, "{r}");
+    let mut chat_full = chat.clone();
+    chat_full["fill"] = json!(false);
+    let (_, r_full) = post(strict.port, "/v1/chat/completions", &chat_full);
+    assert_eq!(content(&r), content(&r_full));
+    let (_, _, m) = http(strict.port, "GET", "/metrics", b"");
+    assert_eq!(metric(&m, "ridgefill_fill_fallbacks_total"), 2.0);
+    assert_eq!(metric(&m, "ridgefill_filled_rows_total"), 0.0);
+    assert_eq!(metric(&m, "ridgefill_filled_requests_total"), 0.0);
 }
 
 /// `ridgefill info --export-tokenizer`: the tokenizer.json it writes, read back with the

@@ -15,7 +15,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
-use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
+use ridgefill::model::fill::{FillMaps, FillOptions, FillReport, FillRows, Prefill};
 use ridgefill::model::sample::sample_rows;
 use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK};
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
@@ -69,8 +69,12 @@ pub struct Finish {
     pub completion_tokens: usize,
     pub prefill_ms: f64,
     pub ttft_ms: f64,
-    /// Whether skip-and-fill ran the prefill.
+    /// Whether skip-and-fill filled rows of the prompt (not when its self-check fell back to
+    /// running every layer exactly).
     pub filled: bool,
+    /// What skip-and-fill did with the prompt; `None` when it did not run (no fill file,
+    /// `"fill": false`, or prompt logprobs).
+    pub report: Option<FillReport>,
 }
 
 /// One token's log-probability under the model, with the most likely tokens at its position.
@@ -139,6 +143,8 @@ struct Seq<'t> {
     prefill_ms: f64,
     ttft_ms: f64,
     filled: bool,
+    /// What the fill did, once it is done.
+    report: Option<FillReport>,
     prefill_started: Option<Instant>,
     /// Set once the sequence is complete (`stop` or `length`).
     done_reason: Option<&'static str>,
@@ -274,6 +280,7 @@ impl<'m> Engine<'m> {
             prefill_ms: 0.0,
             ttft_ms: 0.0,
             filled,
+            report: None,
             prefill_started: None,
             done_reason: None,
             fill_state: None,
@@ -293,12 +300,19 @@ impl<'m> Engine<'m> {
             let p = Prefill::start(self.model, &s.job.prompt, &s.cache, opts)?;
             // Too short to have a bulk: every row runs every layer, as full prefill.
             s.filled = p.skips();
+            if !s.filled {
+                s.report = Some(p.report());
+            }
             s.fill_state = s.filled.then_some(p);
         }
         let logits: Option<Vec<f32>> = match &mut s.fill_state {
             Some(st) => {
                 let l = st.step(&mut s.cache)?;
                 if l.is_some() {
+                    let report = st.report();
+                    // The self-check failed with no deeper fill: every row ran every layer.
+                    s.filled = !report.fell_back;
+                    s.report = Some(report);
                     s.prefilled = n;
                     s.fill_state = None;
                 }
@@ -354,7 +368,7 @@ impl<'m> Engine<'m> {
         s.flush_all();
         let reason = s.done_reason.unwrap_or("stop");
         self.metrics
-            .record_done(s.job.prompt.len(), s.generated, s.filled);
+            .record_done(s.job.prompt.len(), s.generated, s.filled, s.report.as_ref());
         let _ = s.job.events.send(Event::Done(Finish {
             reason,
             prompt_tokens: s.job.prompt.len(),
@@ -362,6 +376,7 @@ impl<'m> Engine<'m> {
             prefill_ms: s.prefill_ms,
             ttft_ms: s.ttft_ms,
             filled: s.filled,
+            report: s.report,
         }));
     }
 }

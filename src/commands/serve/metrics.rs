@@ -5,6 +5,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use ridgefill::model::fill::FillReport;
+
 /// Upper bounds (seconds) of the time-to-first-token histogram's buckets.
 const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
@@ -24,6 +26,11 @@ struct Inner {
     completion_tokens: u64,
     /// Completed requests whose prompt skipped upper layers (skip-and-fill ran).
     filled: u64,
+    /// Prompt rows whose upper-layer K/V were filled, over every completed request.
+    filled_rows: u64,
+    /// Completed requests whose fill failed its self-check (`--max-fill-error`) and ran every
+    /// layer exactly.
+    fill_fallbacks: u64,
     prefill_tokens: u64,
     prefill_seconds: f64,
     decode_tokens: u64,
@@ -69,11 +76,22 @@ impl Metrics {
         });
     }
 
-    pub fn record_done(&self, prompt: usize, completion: usize, filled: bool) {
+    /// A completed request; `report` is what skip-and-fill did with its prompt, if it ran.
+    pub fn record_done(
+        &self,
+        prompt: usize,
+        completion: usize,
+        filled: bool,
+        report: Option<&FillReport>,
+    ) {
         self.with(|m| {
             m.prompt_tokens += prompt as u64;
             m.completion_tokens += completion as u64;
             m.filled += u64::from(filled);
+            if let Some(r) = report {
+                m.filled_rows += r.filled as u64;
+                m.fill_fallbacks += u64::from(r.fell_back);
+            }
         });
     }
 
@@ -119,10 +137,28 @@ impl Metrics {
             m.filled.to_string(),
         );
         metric(
+            "filled_rows_total",
+            "counter",
+            "Prompt rows whose upper-layer K/V skip-and-fill predicted instead of computing.",
+            m.filled_rows.to_string(),
+        );
+        metric(
+            "fill_fallbacks_total",
+            "counter",
+            "Completed requests whose fill failed its self-check (--max-fill-error) and ran every layer exactly.",
+            m.fill_fallbacks.to_string(),
+        );
+        metric(
             "queue_depth",
             "gauge",
             "Requests waiting for a slot.",
             self.queue_depth.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "active_requests",
+            "gauge",
+            "Requests holding a slot (prefilling or decoding).",
+            self.active.load(Ordering::Relaxed).to_string(),
         );
         metric(
             "prefill_tokens_per_second",

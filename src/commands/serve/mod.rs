@@ -19,8 +19,10 @@ use metrics::Metrics;
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Skip-and-fill prefill with this fill file (made by `ridgefill fit`); a request turns it
-    /// off with `"fill": false`.
+    /// Skip-and-fill prefill with this fill file (made by `ridgefill fit`), shaped by the row
+    /// flags below (`--tail`, `--question-tail`, the `--max-fill-error` self-check and its
+    /// `--fill-deeper` fallbacks); a request turns it off with `"fill": false`, and each
+    /// response's `usage.fill_report` says what it filled.
     #[arg(long)]
     pub fill: Option<PathBuf>,
     #[command(flatten)]
@@ -57,17 +59,28 @@ pub fn run(a: Args) -> Result<()> {
     let ctx = a
         .ctx
         .unwrap_or_else(|| cfg.max_position_embeddings.clamp(1, DEFAULT_CTX_CAP));
-    let fill = match &a.fill {
+    let (fill, mode) = match &a.fill {
         Some(path) => {
-            let (_, maps, rows) = ridgefill::fillfile::load_configured(
+            let (method, maps, rows) = ridgefill::fillfile::load_configured(
                 path,
                 &loaded.ckpt,
                 &loaded.model,
                 &a.rows.choice(),
             )?;
-            Some(engine::Fill { maps, rows })
+            // The self-check's limit and the deeper splits it falls back to, if any.
+            let mut check = String::new();
+            if rows.max_error.is_finite() {
+                check = format!(", max fill error {}", rows.max_error);
+                let mut d = maps.deeper.as_deref();
+                while let Some(m) = d {
+                    check += &format!(" then s={}", m.split);
+                    d = m.deeper.as_deref();
+                }
+            }
+            let mode = format!("skip-and-fill s={} {method}{check}", maps.split);
+            (Some(engine::Fill { maps, rows }), mode)
         }
-        None => None,
+        None => (None, "full prefill".to_string()),
     };
     let model_id = loaded.ckpt.path.file_stem().map_or_else(
         || a.model.model.clone(),
@@ -97,15 +110,10 @@ pub fn run(a: Args) -> Result<()> {
         .with_context(|| format!("cannot listen on {addr}"))?;
     let bound = listener.local_addr()?;
     eprintln!(
-        "serve: {} on {} ({}) | {} | parallel {parallel} | ctx {ctx} | listening on http://{bound}",
+        "serve: {} on {} ({}) | {mode} | parallel {parallel} | ctx {ctx} | listening on http://{bound}",
         loaded.ckpt.path.display(),
         loaded.device.backend,
         loaded.device.adapter,
-        if fill.is_some() {
-            "skip-and-fill"
-        } else {
-            "full prefill"
-        },
     );
     std::thread::scope(|scope| -> Result<()> {
         let engine_metrics = Arc::clone(&metrics);
