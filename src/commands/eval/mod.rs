@@ -1,9 +1,19 @@
 //! `ridgefill eval`: how closely each prefill method tracks full prefill, on text (NLL, KL, top-1)
-//! or on retrieval tasks (see [`retrieval`]). Imports run one way: this file uses [`methods`],
-//! [`tasks`] and [`retrieval`]; `retrieval` uses `methods` and `tasks`; those two use neither.
+//! or on retrieval tasks (see [`retrieval`]), or on questions about real documents (see
+//! [`answers`]). Imports run one way: this file uses [`methods`], [`tasks`], [`retrieval`] and
+//! [`answers`]; `retrieval` uses `methods` and `tasks`; `answers` uses `methods`, `tasks` and
+//! [`answers_score`]; `methods` and `tasks` use neither. RULER's tasks:
+//! [`ruler_run`] uses `methods`, `tasks`, [`ruler`] and [`ruler_data`]; `tasks` uses `ruler`,
+//! which uses `ruler_data` and [`ruler_fit`].
 
+mod answers;
+mod answers_score;
 mod methods;
 mod retrieval;
+mod ruler;
+mod ruler_data;
+mod ruler_fit;
+mod ruler_run;
 mod tasks;
 
 use std::collections::BTreeMap;
@@ -40,7 +50,9 @@ pub struct Args {
         default_value = "full,fill,ridge,drop,own-proj"
     )]
     pub methods: Vec<EvalMethod>,
-    /// Retrieval tasks instead of text fidelity: passkey, passkey-first, prose, multi.
+    /// Retrieval tasks instead of text fidelity: passkey, passkey-first, prose, multi; or
+    /// `answers` (alone): questions about real documents, see --questions; or RULER's synthetic
+    /// tasks (niah_single_1 .. fwe; `ruler`: all of them), see --samples.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub task: Vec<Task>,
     /// Passkey retrieval: the same as `--task passkey`.
@@ -51,9 +63,23 @@ pub struct Args {
     /// each upper layer alone).
     #[arg(long, requires = "task")]
     pub oracle: bool,
-    /// Prompt lengths (tokens) for the retrieval tasks, up to the model's context.
+    /// Prompt lengths (tokens) for the retrieval tasks, up to the model's context (RULER's tasks:
+    /// prompt and answer budget together, as RULER counts them).
     #[arg(long, value_delimiter = ',', default_value = "512,1024,2048,4096")]
     pub lengths: Vec<usize>,
+    /// `--task answers`: the question set (default: data/answers/questions.toml of the source
+    /// tree).
+    #[arg(long)]
+    pub questions: Option<PathBuf>,
+    /// `--task answers`: greedy tokens per answer (fewer when the model stops first).
+    #[arg(long, default_value_t = answers::DEFAULT_ANSWER_TOKENS)]
+    pub answer_tokens: usize,
+    /// RULER tasks: samples per task and length.
+    #[arg(long, default_value_t = ruler_run::DEFAULT_SAMPLES)]
+    pub samples: usize,
+    /// RULER tasks: the seed every sample is generated from.
+    #[arg(long, default_value_t = ruler_run::DEFAULT_SEED)]
+    pub seed: u64,
     /// Prefix tokens, prefilled by each method.
     #[arg(long, default_value_t = 512)]
     pub prefix: usize,
@@ -114,6 +140,11 @@ pub enum EvalError {
     EmptyWindow,
     #[error("--lengths must list positive prompt lengths")]
     NoLengths,
+    #[error(
+        "RULER's tasks need --samples of at least 1, and --oracle diagnoses the retrieval tasks \
+         (passkey, passkey-first, prose, multi) only"
+    )]
+    RulerRun,
     #[error("--sink {sink} + --tail {tail} leaves no bulk rows in a {what} of {len}")]
     NoBulk {
         sink: usize,
@@ -145,9 +176,30 @@ pub enum EvalError {
 
 pub fn run(a: Args) -> Result<()> {
     let tasks = a.tasks();
+    // Its own prompts, lengths and a second load for the floor: a run of its own.
+    if tasks.contains(&Task::Answers) {
+        return answers::run(answers::Options {
+            tasks: &tasks,
+            oracle: a.oracle,
+            model: a.model.load_args(),
+            fill: &a.fill,
+            rows: &a.rows,
+            methods: a.method_list(),
+            questions: a.questions.clone(),
+            answer_tokens: a.answer_tokens,
+            max_positions: MAX_LOAD_POSITIONS,
+            json: a.json,
+        });
+    }
+    // RULER's tasks run after the retrieval ones, on prompts of their own.
+    let ruler = ruler_run::ruler_tasks(&tasks);
+    let tasks: Vec<Task> = tasks.into_iter().filter(|t| t.ruler().is_empty()).collect();
+    if !ruler.is_empty() && (a.oracle || a.samples == 0) {
+        return Err(EvalError::RulerRun.into());
+    }
     let plain = a.rows.rows();
     // The longest prompt asked for, and the positions needed beyond it.
-    let (asked, reserved) = if tasks.is_empty() {
+    let (asked, reserved) = if tasks.is_empty() && ruler.is_empty() {
         if a.prefix == 0 || a.cont == 0 {
             return Err(EvalError::EmptyWindow.into());
         }
@@ -160,7 +212,13 @@ pub fn run(a: Args) -> Result<()> {
         }
         check_bulk(plain, "prompt", shortest)?;
         let longest = a.lengths.iter().copied().max().unwrap_or(0);
-        (longest, tasks::ANSWER_TOKENS)
+        // RULER's lengths include their answers.
+        let answers = if tasks.is_empty() {
+            0
+        } else {
+            tasks::ANSWER_TOKENS
+        };
+        (longest, answers)
     };
     let needed = asked + reserved;
     let loaded = load(&a.model.load_args(), needed.min(MAX_LOAD_POSITIONS))?;
@@ -171,7 +229,7 @@ pub fn run(a: Args) -> Result<()> {
         .min(MAX_LOAD_POSITIONS);
     if needed > context {
         let room = context.saturating_sub(reserved);
-        let (what, hint) = if tasks.is_empty() {
+        let (what, hint) = if tasks.is_empty() && ruler.is_empty() {
             (
                 format!("--prefix {} + --cont {}", a.prefix, a.cont),
                 format!("keep --prefix within {room} for --cont {}", a.cont),
@@ -198,9 +256,10 @@ pub fn run(a: Args) -> Result<()> {
         rows: plain,
         fill,
     };
-    if tasks.is_empty() {
-        text(&a, &loaded, &runners, &header)
-    } else {
+    if tasks.is_empty() && ruler.is_empty() {
+        return text(&a, &loaded, &runners, &header);
+    }
+    if !tasks.is_empty() {
         let prose = tasks
             .iter()
             .any(|t| t.needs_prose())
@@ -212,11 +271,23 @@ pub fn run(a: Args) -> Result<()> {
             prose: prose.as_ref(),
         };
         if a.oracle {
-            retrieval::run_oracle(&loaded, &runners[1], &spec, &header, a.json)
+            retrieval::run_oracle(&loaded, &runners[1], &spec, &header, a.json)?;
         } else {
-            retrieval::run(&loaded, &runners, &spec, &header, a.json)
+            retrieval::run(&loaded, &runners, &spec, &header, a.json)?;
         }
     }
+    if ruler.is_empty() {
+        return Ok(());
+    }
+    let spec = ruler_run::RulerSpec {
+        tasks: &ruler,
+        lengths: &a.lengths,
+        samples: a.samples,
+        seed: a.seed,
+        text: &a.text,
+        lossy: a.lossy,
+    };
+    ruler_run::run(&loaded, &runners, &spec, &header, a.json)
 }
 
 /// Errors unless `rows` leaves bulk rows to skip in `len` rows.
