@@ -19,9 +19,10 @@ use ridgefill::session::LoadArgs;
 use serde::Deserialize;
 
 use super::answers_score::{Agreement, Tally, squash};
-use super::methods::{EvalMethod, Header, Runner, generate, prepare};
+use super::methods::{EvalMethod, Header, Runner, generate, load_runners, report_json};
 use super::tasks::Task;
 use crate::commands::common::{Bar, RowArgs, load, read_text};
+use ridgefill::model::fill::FillReport;
 
 /// Greedy tokens per answer unless `--answer-tokens` says otherwise: a sentence or two, enough
 /// to see whether two answers say the same thing.
@@ -245,6 +246,7 @@ fn ask_all<'a>(ckpt: &Checkpoint, docs: &'a [Document]) -> Result<Vec<Asked<'a>>
 struct Answer {
     text: String,
     prefill_secs: f64,
+    report: FillReport,
 }
 
 /// Greedy answer of `model` by `method`, decoded.
@@ -259,6 +261,7 @@ fn answer(
     Ok(Answer {
         text: ckpt.tokenizer.decode(&g.tokens, true)?,
         prefill_secs: g.prefill_secs,
+        report: g.report,
     })
 }
 
@@ -268,7 +271,7 @@ pub struct Options<'a> {
     pub tasks: &'a [Task],
     pub oracle: bool,
     pub model: LoadArgs,
-    pub fill: &'a Path,
+    pub fill: &'a [PathBuf],
     pub rows: &'a RowArgs,
     /// The methods, `full` first.
     pub methods: Vec<EvalMethod>,
@@ -328,10 +331,9 @@ pub fn run(a: Options) -> Result<()> {
         }
         .into());
     }
-    let (file, maps) = ridgefill::fillfile::load_maps(a.fill, &loaded.ckpt, model)?;
-    let (runners, fill) = prepare(model, &file, &maps, a.rows, &a.methods)?;
+    let (runners, fill, split) = load_runners(&loaded, a.fill, a.rows, &a.methods)?;
     let header = Header {
-        split: file.meta.split,
+        split,
         rows: plain,
         fill,
     };
@@ -411,6 +413,7 @@ pub fn run(a: Options) -> Result<()> {
                     "first_sentence": agree.first_sentence,
                     "rouge_l": agree.rouge_l,
                     "prefill_secs": ans.prefill_secs,
+                    "fill": report_json(&ans.report),
                 }),
             );
         }

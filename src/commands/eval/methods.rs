@@ -44,6 +44,8 @@ impl EvalMethod {
 /// A method ready to run: its maps (when it fills) and the rows it runs exactly.
 pub struct Runner {
     pub method: EvalMethod,
+    /// The method's name in reports: `fill@S` for a further fill file at split S.
+    label: &'static str,
     maps: Option<FillMaps>,
     pub rows: FillRows,
     split: usize,
@@ -51,7 +53,7 @@ pub struct Runner {
 
 impl Runner {
     pub fn name(&self) -> &'static str {
-        self.method.name()
+        self.label
     }
 
     /// The fill maps, for a method that fills.
@@ -144,12 +146,68 @@ pub fn prepare(
         };
         runners.push(Runner {
             method,
+            label: method.name(),
             maps,
             rows,
             split,
         });
     }
     Ok((runners, summary))
+}
+
+/// What `eval` compares, from `--fill FILE[,MORE...]`: the runners of `list` for the first
+/// file (its deeper splits from `--fill-deeper` chained behind it), then one `fill@S` runner
+/// per further file, each its shipped method at the same row flags with no self-check (so one
+/// run measures several splits against the same full prefill). Returns the runners, what
+/// `fill` is, and the first file's split.
+pub fn load_runners(
+    loaded: &ridgefill::session::Loaded,
+    fills: &[std::path::PathBuf],
+    rows: &RowArgs,
+    list: &[EvalMethod],
+) -> Result<(Vec<Runner>, FillSummary, usize)> {
+    let model = &loaded.model;
+    let Some((first, more)) = fills.split_first() else {
+        anyhow::bail!("--fill needs at least one fill file");
+    };
+    let (file, maps) =
+        ridgefill::fillfile::load_ladder(first, &rows.fill_deeper, &loaded.ckpt, model)?;
+    let (mut runners, summary) = prepare(model, &file, &maps, rows, list)?;
+    let plain = MethodChoice {
+        max_error: None,
+        deeper: Vec::new(),
+        ..rows.choice()
+    };
+    for path in more {
+        let (file, maps) = ridgefill::fillfile::load_maps(path, &loaded.ckpt, model)?;
+        let (_, maps, fill_rows) = configure(&file, &maps, &plain)?;
+        let split = file.meta.split;
+        // One short name per extra file for the whole run: reports key methods by `&'static str`.
+        let label: &'static str = Box::leak(format!("fill@{split}").into_boxed_str());
+        if runners.iter().any(|r| r.label == label) {
+            anyhow::bail!("--fill lists two fill files at split {split}");
+        }
+        runners.push(Runner {
+            method: EvalMethod::Fill,
+            label,
+            maps: Some(maps),
+            rows: fill_rows,
+            split,
+        });
+    }
+    Ok((runners, summary, file.meta.split))
+}
+
+/// A prefill's fill report for `--json`: rows filled, the exact tail, the split that filled,
+/// the self-check error and whether it fell back.
+pub fn report_json(r: &ridgefill::model::fill::FillReport) -> serde_json::Value {
+    serde_json::json!({
+        "filled": r.filled,
+        "tail": r.tail,
+        "split": r.split,
+        "error": r.error,
+        "fell_back": r.fell_back,
+    })
 }
 
 /// The maps and rows of a configured fill method.

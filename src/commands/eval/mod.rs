@@ -26,16 +26,17 @@ use ridgefill::model::eval::{self, Method, WindowStats};
 use ridgefill::model::fill::FillRows;
 
 use super::common::{Bar, ModelArgs, RowArgs, load};
-use methods::{EvalMethod, Header, Runner, prepare};
+use methods::{EvalMethod, Header, Runner, load_runners};
 use tasks::{Prose, Spec, Task};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Fill file made by `ridgefill fit` for this model.
-    #[arg(long)]
-    pub fill: PathBuf,
+    /// Fill file made by `ridgefill fit` for this model; further files (comma-separated, other
+    /// splits) each add a `fill@S` method.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub fill: Vec<PathBuf>,
     /// Evaluation text: files or directories (Brown is detected and detagged). With --task, the
     /// prose of the `prose` and `multi` tasks (default: the Brown corpus, fetched when missing).
     #[arg(long, num_args = 1.., required_unless_present_any = ["passkey", "task"])]
@@ -248,11 +249,9 @@ pub fn run(a: Args) -> Result<()> {
         }
         .into());
     }
-    let model = &loaded.model;
-    let (file, maps) = ridgefill::fillfile::load_maps(&a.fill, &loaded.ckpt, model)?;
-    let (runners, fill) = prepare(model, &file, &maps, &a.rows, &a.method_list())?;
+    let (runners, fill, split) = load_runners(&loaded, &a.fill, &a.rows, &a.method_list())?;
     let header = Header {
-        split: file.meta.split,
+        split,
         rows: plain,
         fill,
     };

@@ -13,11 +13,12 @@ use anyhow::Result;
 use ridgefill::interrupt;
 use ridgefill::session::Loaded;
 
-use super::methods::{Generation, Header, Runner, generate};
+use super::methods::{Generation, Header, Runner, generate, report_json};
 use super::ruler::{Material, RulerTask, Sample, postprocess, samples, string_match_all};
 use super::ruler_data::{Essay, Lexicon};
 use super::tasks::Task;
 use crate::commands::common::Bar;
+use ridgefill::model::fill::FillReport;
 
 /// RULER reports scores in percent.
 const PERCENT: f64 = 100.0;
@@ -60,6 +61,7 @@ struct Answer {
     same_as_full: bool,
     /// Bulk spans that ran exactly (methods that choose them).
     spans: Vec<Range<usize>>,
+    report: FillReport,
 }
 
 /// One method on one task at one length.
@@ -196,6 +198,7 @@ pub fn run(
                     prefill_secs: g.prefill_secs,
                     same_as_full: g.tokens == gens[0].tokens,
                     spans: g.spans.clone(),
+                    report: g.report,
                 });
             }
         }
@@ -295,6 +298,7 @@ fn print_json(
                         "same_as_full": a.same_as_full,
                         "prefill_secs": a.prefill_secs,
                         "spans": spans,
+                        "fill": report_json(&a.report),
                     })
                 })
                 .collect();
