@@ -352,7 +352,7 @@ fn print_json(
 fn print_table(rows: &[Row], pooled: &[Pooled], spec: &RulerSpec, h: &Header) {
     let dash = || "–".to_string();
     println!(
-        "ruler | {} | {} samples per task and length, seed {}",
+        "ruler | {} | samples per task and length: {} | seed {}",
         h.describe(),
         spec.samples,
         spec.seed

@@ -77,7 +77,7 @@ pub enum Task {
     /// Questions about real documents in a chat turn; answers compared with full prefill's
     /// (`super::answers`).
     Answers,
-    /// RULER: a number under a word key in repeated noise (`super::ruler` makes RULER's tasks).
+    /// RULER: a number under a word key in repeated noise.
     #[value(name = "niah_single_1")]
     NiahSingle1,
     /// RULER: a number under a word key in an essay.
