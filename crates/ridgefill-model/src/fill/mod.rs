@@ -57,7 +57,7 @@ pub struct Adapt {
 }
 
 /// Default share of the prompt's rows run exactly in chosen spans (the shipped method's budget).
-pub const DEFAULT_EXACT: f64 = 0.05;
+pub const DEFAULT_EXACT: f64 = 0.08;
 /// Default weight of one exact row against one calibration row in the per-prompt update.
 pub const DEFAULT_ADAPT_WEIGHT: f64 = 100.0;
 
