@@ -1,6 +1,8 @@
 //! Shared set-up for the integration tests.
 #![allow(dead_code)]
 
+pub mod serve;
+
 use std::sync::{Once, OnceLock};
 
 use ridgefill::io::checkpoint::Checkpoint;
