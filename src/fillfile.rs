@@ -71,7 +71,11 @@ pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Decoder) -> Result<(Fil
         };
         maps = maps.with_adapt(p, weight, model.dtype, &model.device)?;
     }
-    Ok((file, maps.with_breaks(line_breaks(&ckpt.tokenizer))))
+    let tok = &ckpt.tokenizer;
+    let maps = maps
+        .with_breaks(line_breaks(tok))
+        .with_stops(sentence_stops(tok));
+    Ok((file, maps))
 }
 
 /// The ids of every token whose text holds a line break: where a prompt's final question can
@@ -79,6 +83,19 @@ pub fn load_maps(path: &Path, ckpt: &Checkpoint, model: &Decoder) -> Result<(Fil
 pub fn line_breaks(tok: &ridgefill_io::tokenizer::Tokenizer) -> Vec<u32> {
     (0..tok.vocab_size() as u32)
         .filter(|&id| tok.decode(&[id], false).is_ok_and(|t| t.contains('\n')))
+        .collect()
+}
+
+/// The ids (increasing) of every token that ends a sentence (its text, trimmed, ends in `.`, `!`
+/// or `?`) or holds a line break: where a chosen exact span may run on to ([`choose_spans`]).
+///
+/// [`choose_spans`]: ridgefill_model::fill::choose_spans
+pub fn sentence_stops(tok: &ridgefill_io::tokenizer::Tokenizer) -> Vec<u32> {
+    (0..tok.vocab_size() as u32)
+        .filter(|&id| {
+            tok.decode(&[id], false)
+                .is_ok_and(|t| t.contains('\n') || t.trim_end().ends_with(['.', '!', '?']))
+        })
         .collect()
 }
 
@@ -149,6 +166,7 @@ pub fn configure(
         exact,
         span,
         question: choice.question,
+        sentence_reach: choice.sentence_reach,
         max_error: choice.max_error.unwrap_or(f64::INFINITY),
     };
     let (mut maps, rows) = method.configure(maps, rows)?;
@@ -169,6 +187,8 @@ pub struct MethodChoice {
     pub tail: usize,
     /// Longest tail grown back to the final question (0: fixed tail).
     pub question: usize,
+    /// How far, in span radii, a span may run on to its sentence's end (0: fixed width).
+    pub sentence_reach: usize,
     /// Self-check threshold on the maps' relative error (`None`: never fall back).
     pub max_error: Option<f64>,
     /// Fill files at deeper splits, tried in turn when the self-check fails.

@@ -218,6 +218,7 @@ fn wgpu_matches_flex_on_tiny_model() {
         adapt: None,
         fill_unread: false,
         breaks: Vec::new(),
+        stops: Vec::new(),
         deeper: None,
     };
     let rows = FillRows {

@@ -140,6 +140,10 @@ pub struct RowArgs {
     /// runs every layer whole (0: the tail stays --tail tokens).
     #[arg(long, default_value_t = ridgefill::model::fill::DEFAULT_QUESTION_TAIL)]
     pub question_tail: usize,
+    /// How far, in span radii, an exact span may run past its window to its sentence's end, so
+    /// a long answer (a UUID) is copied from exact rows whole (0: spans keep their width).
+    #[arg(long, default_value_t = ridgefill::model::fill::DEFAULT_SENTENCE_REACH)]
+    pub sentence_reach: usize,
     /// Self-check: when the fill maps' relative error on the prompt's exact rows exceeds this,
     /// the prompt runs every layer exactly after all (full prefill's answer, at full cost).
     #[arg(long, value_parser = parse_weight)]
@@ -170,6 +174,7 @@ impl RowArgs {
             sink: self.sink,
             tail: self.tail,
             question: self.question_tail,
+            sentence_reach: self.sentence_reach,
             max_error: self.max_fill_error,
             deeper: self.fill_deeper.clone(),
         }

@@ -475,6 +475,7 @@ pub fn fit_options(rows: &RowArgs, alpha: AlphaChoice) -> FitOptions {
             exact: rows.exact.unwrap_or(DEFAULT_EXACT),
             span: rows.span.unwrap_or(DEFAULT_SPAN_RADIUS),
             question: rows.question_tail,
+            sentence_reach: rows.sentence_reach,
             max_error: rows.max_fill_error.unwrap_or(f64::INFINITY),
         },
         method: rows.method.unwrap_or(FillMethod::DEFAULT),

@@ -182,6 +182,7 @@ fn load_modes<'a>(
         tail: a.tail,
         // Bench prompts are random tokens: no question to find, no self-check to fail.
         question: 0,
+        sentence_reach: ridgefill::model::fill::DEFAULT_SENTENCE_REACH,
         max_error: None,
         deeper: Vec::new(),
     };

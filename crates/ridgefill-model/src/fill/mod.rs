@@ -37,6 +37,9 @@ pub struct FillMaps {
     /// The tokenizer's ids whose text holds a line break: where a final question starts
     /// ([`FillRows::for_prompt`]). Empty: the tail stays fixed.
     pub breaks: Vec<u32>,
+    /// The ids (sorted) whose text ends a sentence or holds a line break: a chosen span runs on
+    /// to one ([`choose_spans`]). Empty: spans keep their width.
+    pub stops: Vec<u32>,
     /// Maps at a deeper split, tried when this split's self-check fails (before running the
     /// upper layers exactly): the bulk runs exactly up to their split instead.
     pub deeper: Option<Box<FillMaps>>,
@@ -129,6 +132,10 @@ pub const MIN_SPANS: usize = 5;
 /// Default half-width of an exact span: a needle sentence is ~16 tokens, centred on the top row.
 pub const DEFAULT_SPAN_RADIUS: usize = 8;
 
+/// Default reach of a span past its window to its sentence's end, in span radii: a 36-character
+/// UUID is ~30 tokens after digit isolation, beyond a radius-8 window's 14 rows ahead.
+pub const DEFAULT_SENTENCE_REACH: usize = 4;
+
 /// Default longest question tail: a chat turn's question plus the template's closing tokens,
 /// or RULER's question and answer prefix, fit in it.
 pub const DEFAULT_QUESTION_TAIL: usize = 128;
@@ -150,13 +157,17 @@ pub struct FillRows {
     /// Longest tail grown back to the prompt's last line break, so the final question runs
     /// exactly whole (0: the tail is `tail` rows). Needs the maps' line-break ids.
     pub question: usize,
+    /// How far, in span radii, a chosen span may run past its window to the end of its
+    /// sentence (0: spans keep their width). Needs the maps' sentence stops.
+    pub sentence_reach: usize,
     /// Self-check: when the maps' relative error on this prompt's exact rows exceeds this, the
     /// bulk runs the upper layers exactly after all (infinite: never).
     pub max_error: f64,
 }
 
 impl Default for FillRows {
-    /// Plain fill: sink 1, tail 16, no chosen spans, no question tail, no self-check.
+    /// Plain fill: sink 1, tail 16, no chosen spans, no question tail, spans of fixed width, no
+    /// self-check.
     fn default() -> Self {
         Self {
             sink: 1,
@@ -164,6 +175,7 @@ impl Default for FillRows {
             exact: 0.0,
             span: DEFAULT_SPAN_RADIUS,
             question: 0,
+            sentence_reach: 0,
             max_error: f64::INFINITY,
         }
     }
@@ -264,6 +276,7 @@ impl FillMaps {
             adapt: None,
             fill_unread: false,
             breaks: Vec::new(),
+            stops: Vec::new(),
             deeper: None,
         })
     }
@@ -297,6 +310,24 @@ impl FillMaps {
         self
     }
 
+    /// The same maps, running each chosen span on to the end of its sentence (a token in
+    /// `stops`, sorted).
+    pub fn with_stops(mut self, stops: Vec<u32>) -> Self {
+        self.stops = stops;
+        self
+    }
+
+    /// Per row of `tokens`, whether it ends a sentence or line (empty when no stops are known).
+    pub fn sentence_ends(&self, tokens: &[u32]) -> Vec<bool> {
+        if self.stops.is_empty() {
+            return Vec::new();
+        }
+        tokens
+            .iter()
+            .map(|t| self.stops.binary_search(t).is_ok())
+            .collect()
+    }
+
     /// The same maps, falling back to `deeper` (a later split) when the self-check fails.
     pub fn with_deeper(mut self, deeper: FillMaps) -> Result<Self> {
         if deeper.split <= self.split {
@@ -317,6 +348,7 @@ impl FillMaps {
             adapt: None,
             fill_unread: self.fill_unread,
             breaks: self.breaks.clone(),
+            stops: self.stops.clone(),
             deeper: self.deeper.as_ref().map(|d| Box::new(d.plain())),
         }
     }
@@ -329,6 +361,7 @@ impl FillMaps {
             adapt: self.adapt.clone(),
             fill_unread: true,
             breaks: self.breaks.clone(),
+            stops: self.stops.clone(),
             deeper: self.deeper.as_ref().map(|d| Box::new(d.filling_unread())),
         }
     }
@@ -364,6 +397,7 @@ impl FillMaps {
             adapt: None,
             fill_unread: false,
             breaks: Vec::new(),
+            stops: Vec::new(),
             deeper: None,
         })
     }

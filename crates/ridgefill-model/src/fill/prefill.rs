@@ -99,6 +99,8 @@ pub struct Prefill<'a> {
     /// Every row entering the split, per chunk.
     h_split: Vec<Tensor<2>>,
     spans: Vec<Range<usize>>,
+    /// Per row, whether it ends a sentence (empty: unknown).
+    ends: Vec<bool>,
     report: FillReport,
 }
 
@@ -140,6 +142,7 @@ impl<'a> Prefill<'a> {
             tail_in: Vec::new(),
             h_split: Vec::new(),
             spans: Vec::new(),
+            ends: opts.maps.map_or_else(Vec::new, |m| m.sentence_ends(tokens)),
         })
     }
 
@@ -237,6 +240,7 @@ impl<'a> Prefill<'a> {
                     self.opts.rows,
                     tail_in,
                     h_split,
+                    &self.ends,
                     cache,
                     self.opts.oracle,
                 )?;
@@ -309,6 +313,7 @@ pub(crate) fn fill_upper(
     rows: FillRows,
     tail_in: Tensor<2>,
     h_split: Tensor<2>,
+    ends: &[bool],
     cache: &mut KvCache,
     oracle: Option<&Oracle>,
 ) -> Result<Upper> {
@@ -319,7 +324,15 @@ pub(crate) fn fill_upper(
     let scored = scoring_layer(model, maps.split);
     let spans = if rows.span_count(n) > 0 {
         let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
-        choose_spans(&scores, bulk.clone(), rows.exact_rows(n), rows.span)
+        let budget = rows.exact_rows(n);
+        choose_spans(
+            &scores,
+            bulk.clone(),
+            budget,
+            rows.span,
+            ends,
+            rows.sentence_reach,
+        )
     } else {
         Vec::new()
     };
@@ -367,7 +380,7 @@ pub(crate) fn fill_upper(
     };
     let from = deep_scored.max(maps.split);
     let h_deeper = run_exact(model, h, from..deeper.split, cache)?;
-    fill_upper(model, deeper, rows, tail_in, h_deeper, cache, oracle)
+    fill_upper(model, deeper, rows, tail_in, h_deeper, ends, cache, oracle)
 }
 
 /// Every row of `h` (entering `layers.start`, positions `0..`) through `layers` exactly, chunk

@@ -4,15 +4,21 @@
 use std::ops::Range;
 
 /// Exact rows inside `bulk`, at most `budget` of them: windows of `2·radius + 1` rows from a
-/// little before each best-scoring row onwards ([`reach`]), best first, each window adding the rows it does not share with earlier
-/// ones; a window that would overrun the budget is passed over. Neighbouring high scores thus
-/// widen one span, so a fact sentence the query matches is covered whole, including the words
-/// after the match that hold the answer. Returned sorted and merged.
+/// little before each best-scoring row onwards ([`window`]), best first, each window adding the
+/// rows it does not share with earlier ones; a window that would overrun the budget is passed
+/// over. Neighbouring high scores thus widen one span, so a fact sentence the query matches is
+/// covered whole, including the words after the match that hold the answer. Where `ends` marks
+/// the rows that end a sentence or line (one flag per prompt row; empty: none known), a window
+/// with no end after its chosen row runs on to the next one, at most `reach · radius` rows
+/// further: a long answer (a UUID) is then copied from exact rows to its last character.
+/// Returned sorted and merged.
 pub fn choose_spans(
     scores: &[f32],
     bulk: Range<usize>,
     budget: usize,
     radius: usize,
+    ends: &[bool],
+    reach: usize,
 ) -> Vec<Range<usize>> {
     let budget = budget.min(bulk.len());
     let mut order: Vec<usize> = bulk.clone().collect();
@@ -23,8 +29,11 @@ pub fn choose_spans(
         if used == budget {
             break;
         }
-        let (behind, ahead) = reach(radius);
-        let window = p.saturating_sub(behind).max(bulk.start)..(p + ahead + 1).min(bulk.end);
+        let (behind, ahead) = window(radius);
+        let start = p.saturating_sub(behind).max(bulk.start);
+        let end = (p + ahead + 1).min(bulk.end);
+        let end = sentence_end(ends, p, end, reach * radius, bulk.end);
+        let window = start..end;
         let fresh = window.clone().filter(|&i| !chosen[i - bulk.start]).count();
         if fresh == 0 || used + fresh > budget {
             continue;
@@ -45,13 +54,24 @@ pub fn choose_spans(
 /// since the tail's attention peaks on the words that match the question and the answer (a
 /// number, a UUID) follows them. RULER at 2048 tokens, split 15: multi-value 6 → 47 and
 /// multi-query 0 → 41 (full 59, 41) against a centred window of the same width.
-fn reach(radius: usize) -> (usize, usize) {
+fn window(radius: usize) -> (usize, usize) {
     let behind = radius / SPAN_BEHIND_DIVISOR;
     (behind, 2 * radius - behind)
 }
 
 /// A span reaches `radius / SPAN_BEHIND_DIVISOR` rows behind its chosen row.
 const SPAN_BEHIND_DIVISOR: usize = 4;
+
+/// The end of a window chosen at row `p` and ending before `end`: unchanged when `ends` marks a
+/// row in `p..end` (or marks none), else just past the next marked row when one lies within
+/// `extra` rows (and before `limit`).
+fn sentence_end(ends: &[bool], p: usize, end: usize, extra: usize, limit: usize) -> usize {
+    if ends.is_empty() || ends[p..end].contains(&true) {
+        return end;
+    }
+    let cap = (end + extra).min(limit);
+    (end..cap).find(|&i| ends[i]).map_or(end, |i| i + 1)
+}
 
 /// Filled rows a sliding-window layer needs: those within `window` keys of an exact row
 /// (`exact` increasing; the last one is the prompt's last row, so decoding reaches no further
@@ -109,10 +129,10 @@ mod tests {
         scores[90] = 7.0; // its window is clipped to the bulk
         scores[3] = 6.0;
         // Radius 4: one row behind each chosen row, seven ahead.
-        let spans = choose_spans(&scores, 1..96, 9 + 2 + 7 + 9, 4);
+        let spans = choose_spans(&scores, 1..96, 9 + 2 + 7 + 9, 4, &[], 0);
         assert_eq!(spans, vec![2..11, 49..60, 89..96]);
         // A window that would overrun the budget is passed over; smaller ones still fit.
-        let spans = choose_spans(&scores, 1..96, 9 + 2, 4);
+        let spans = choose_spans(&scores, 1..96, 9 + 2, 4, &[], 0);
         assert_eq!(spans, vec![49..60]);
     }
 
@@ -125,13 +145,38 @@ mod tests {
         }
         // A fixed ±8 window around row 200 would end at 208.
         let answer = 209..214;
-        let spans = choose_spans(&scores, 1..384, 5 * 17, 8);
+        let spans = choose_spans(&scores, 1..384, 5 * 17, 8, &[], 0);
         assert!(
             answer.clone().all(|i| spans.iter().any(|s| s.contains(&i))),
             "{spans:?}"
         );
         let rows: usize = spans.iter().map(|s| s.len()).sum();
         assert!(rows <= 5 * 17, "{rows} rows");
+    }
+
+    #[test]
+    fn a_span_runs_on_to_its_sentence_end() {
+        let mut scores = vec![0.0f32; 200];
+        scores[50] = 9.0;
+        scores[120] = 8.0;
+        let mut ends = vec![false; 200];
+        // Row 50's sentence ends at 70, past its window (49..58); row 120's inside its own.
+        ends[70] = true;
+        ends[124] = true;
+        // The budget is exactly both spans, so no lower-scoring window fits beside them.
+        let spans = choose_spans(&scores, 1..190, 22 + 9, 4, &ends, 4);
+        assert_eq!(spans, vec![49..71, 119..128]);
+        // A sentence end beyond the reach (4 radii past the window) leaves the window as it is.
+        ends[70] = false;
+        ends[80] = true;
+        let spans = choose_spans(&scores, 1..190, 9 + 9, 4, &ends, 4);
+        assert_eq!(spans, vec![49..58, 119..128]);
+        // Without the budget for the whole sentence, the window is passed over.
+        ends[80] = false;
+        ends[70] = true;
+        let spans = choose_spans(&scores, 1..190, 21, 4, &ends, 4);
+        assert!(spans.contains(&(119..128)), "{spans:?}");
+        assert!(!spans.iter().any(|s| s.contains(&50)), "{spans:?}");
     }
 
     #[test]
