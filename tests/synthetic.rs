@@ -955,3 +955,24 @@ fn stepwise_fill_prefill_equals_one_call() {
     let st = Prefill::start(&model, &ids[..8], &cache, FillOptions::fill(&maps, rows)).unwrap();
     assert!(!st.skips());
 }
+
+/// SmolLM2's sentence stops, where a chosen span runs on to: a UUID needle's hex digits and
+/// dashes are none, its closing period and the line break after it are, and every line-break
+/// token is one too.
+#[test]
+fn sentence_stops_mark_a_needles_end_not_its_uuid() {
+    let tok = &common::smollm2_ckpt().tokenizer;
+    let breaks = ridgefill::fillfile::line_breaks(tok);
+    let stops = ridgefill::fillfile::sentence_stops(tok);
+    assert!(!breaks.is_empty() && stops.len() > breaks.len());
+    assert!(breaks.iter().all(|b| stops.binary_search(b).is_ok()));
+    let needle = "The special magic uuid for jolly-ferry is: 389109d6-5c98-4c96-8a05-6a54ce280d91";
+    let ids = tok.encode(&format!("{needle}.\nThe"), false).unwrap();
+    let marked: Vec<bool> = ids.iter().map(|t| stops.binary_search(t).is_ok()).collect();
+    let first = marked.iter().position(|&m| m).unwrap();
+    let before = tok.decode(&ids[..first], false).unwrap();
+    assert_eq!(before, needle, "the first stop is the closing period");
+    // The period and the line break (one token or two) are stops; the next word is none.
+    let last = ids.len() - 1;
+    assert!(marked[first..last].iter().all(|&m| m) && !marked[last], "{marked:?}");
+}
