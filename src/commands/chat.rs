@@ -1,6 +1,13 @@
 //! `ridgefill chat`: an interactive terminal chat with the model's own template. Replies stream
 //! to stdout; Ctrl-C stops a reply and returns to the prompt (a second press quits); `/reset`
 //! clears the history, `/exit` or end of input leaves.
+//!
+//! The conversation's KV cache outlives the turn: each turn's prompt is compared, token by token,
+//! with what the cache holds (earlier prompts and the replies sampled into it), and only the
+//! tokens after the longest common prefix are prefilled — as llama-server's `cache_prompt` does.
+//! Where the template re-renders earlier text differently (a reply re-tokenized otherwise than it
+//! was sampled), the prefix simply ends there. Skip-and-fill needs an empty cache, so it fills the
+//! first turn (or any turn whose prefix is gone); later turns' new tokens run every layer.
 
 use ridgefill::model::fill::{FillOptions, Prefill};
 use std::io::{BufRead, IsTerminal, Write};
@@ -34,6 +41,17 @@ pub struct Args {
     pub fill: Option<PathBuf>,
     #[command(flatten)]
     pub rows: RowArgs,
+    /// Prefill every turn's whole conversation afresh instead of reusing the cached prefix.
+    #[arg(long)]
+    pub no_cache_prompt: bool,
+}
+
+/// Set to print each turn's cache use on stderr when stdin is not a terminal.
+const VERBOSE_ENV: &str = "RIDGEFILL_CHAT_VERBOSE";
+
+/// Length of the longest common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// Largest default context.
@@ -72,6 +90,8 @@ pub fn run(a: Args) -> Result<()> {
         None => None,
     };
     let interactive = std::io::stdin().is_terminal();
+    // Per-turn cache use on stderr: at a terminal, or when asked for (scripts, tests).
+    let verbose = interactive || std::env::var_os(VERBOSE_ENV).is_some();
     if interactive {
         eprintln!(
             "chat: {} | /reset clears the history, /exit or Ctrl-D leaves, Ctrl-C stops a reply",
@@ -86,6 +106,9 @@ pub fn run(a: Args) -> Result<()> {
         .map(|s| ChatMessage::new("system", s))
         .collect();
     let keep = history.len();
+    // The conversation's cache, and the tokens it holds in order.
+    let mut cache = model.new_cache(ctx);
+    let mut cached: Vec<u32> = Vec::new();
     let mut out = std::io::stdout().lock();
     let mut lines = std::io::stdin().lock().lines();
     loop {
@@ -123,16 +146,28 @@ pub fn run(a: Args) -> Result<()> {
             }
             history.remove(keep);
         };
-        // The whole conversation is prefilled afresh each turn (skip-and-fill needs an empty
-        // cache, and makes that cheap).
-        let mut cache = model.new_cache(ids.len() + a.n_predict);
+        // Reuse the longest cached prefix; at least the last token runs, for its logits.
+        let reuse = match a.no_cache_prompt {
+            true => 0,
+            false => common_prefix(&cached, &ids).min(ids.len() - 1),
+        };
+        cache.truncate(reuse);
+        cached.truncate(reuse);
         let logits = match &fill {
-            Some((maps, rows)) => {
+            Some((maps, rows)) if reuse == 0 => {
                 Prefill::run(model, &ids, &mut cache, FillOptions::fill(maps, *rows))
                     .map(|f| f.logits)?
             }
-            None => model.prefill(&ids, &mut cache)?,
+            _ => model.prefill(&ids[reuse..], &mut cache)?,
         };
+        cached.extend_from_slice(&ids[reuse..]);
+        if verbose {
+            eprintln!(
+                "chat: prompt {} tokens, {reuse} reused from the cache, {} prefilled",
+                ids.len(),
+                ids.len() - reuse
+            );
+        }
         let mut logits = to_host_f32(logits);
         let mut stream = tok.stream_decoder(true);
         let mut reply = String::new();
@@ -153,6 +188,7 @@ pub fn run(a: Args) -> Result<()> {
             }
             if step + 1 < a.n_predict {
                 logits = to_host_f32(model.decode_step(next, &mut cache)?);
+                cached.push(next);
             }
         }
         writeln!(out)?;

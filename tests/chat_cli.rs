@@ -1,0 +1,69 @@
+//! `ridgefill chat` end to end, on SmolLM2: a turn reuses the cached conversation and prefills
+//! only its new tokens, and answers exactly as a fresh prefill of the whole conversation does.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+/// Three turns, each building on the one before.
+const TURNS: &str = "What is the capital of France?\nAnd of Italy?\nName a river there.\n";
+
+/// Greedy tokens per reply.
+const REPLY_TOKENS: &str = "12";
+
+/// Runs `chat` on [`TURNS`] with `extra` flags: (stdout, each turn's (prompt, reused) tokens).
+fn chat(extra: &[&str]) -> (String, Vec<(usize, usize)>) {
+    let model = common::smollm2_ckpt().path.to_str().unwrap().to_owned();
+    let mut child = Command::new(common::BIN)
+        .args(["chat", "-m", &model, "-n", REPLY_TOKENS, "--temp", "0"])
+        .args(extra)
+        .env("RIDGEFILL_CHAT_VERBOSE", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(TURNS.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    );
+    assert!(out.status.success(), "chat failed: {stderr}");
+    // "chat: prompt P tokens, R reused from the cache, N prefilled"
+    let turns = stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("chat: prompt "))
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (w[0].parse().unwrap(), w[2].parse().unwrap())
+        })
+        .collect();
+    (stdout, turns)
+}
+
+#[test]
+fn a_turn_prefills_only_its_new_tokens_and_answers_as_a_fresh_prefill() {
+    let (reused, turns) = chat(&[]);
+    let (fresh, fresh_turns) = chat(&["--no-cache-prompt"]);
+    assert_eq!(reused, fresh, "replies with and without the cached prefix");
+    assert_eq!(reused.lines().count(), 3, "{reused}");
+    assert_eq!(turns.len(), 3, "{turns:?}");
+    assert_eq!(turns[0].1, 0, "the first turn has nothing to reuse");
+    for k in 1..3 {
+        let ((before, _), (prompt, reuse)) = (turns[k - 1], turns[k]);
+        // The earlier prompt renders the same, so at least all of it is reused.
+        assert!(before <= reuse && reuse < prompt, "turn {k}: {turns:?}");
+    }
+    let prompts: Vec<usize> = turns.iter().map(|t| t.0).collect();
+    assert_eq!(
+        fresh_turns,
+        prompts.iter().map(|&p| (p, 0)).collect::<Vec<_>>()
+    );
+}
