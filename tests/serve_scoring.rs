@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::serve::{GREEDY_TOKENS, chat_body, content, http, post, sse, start};
+use common::serve::{GREEDY_TOKENS, chat_body, content, http, post, quick_fill, sse, start};
 use serde_json::{Value, json};
 
 /// Sum of `-token_logprobs` over a choice's entries `range` (every entry must be a number).
@@ -20,25 +20,6 @@ fn nll(choice: &Value, range: std::ops::Range<usize>) -> f64 {
                 .unwrap_or_else(|| panic!("logprob {v} is not a number"))
         })
         .sum()
-}
-
-/// A quick fit (as the CLI tests' fill files) at the shipped split 15, calibrated on
-/// `tests/data/score.txt`, into `dir`: (the corpus, the fill file).
-fn quick_fill(dir: &std::path::Path) -> (String, std::path::PathBuf) {
-    let ckpt = common::smollm2_ckpt();
-    let (fill, calib) = (dir.join("s15.fill"), dir.join("calib"));
-    std::fs::create_dir(&calib).unwrap();
-    let corpus = std::fs::read_to_string(common::repo().join("tests/data/score.txt")).unwrap();
-    std::fs::write(calib.join("score.txt"), &corpus).unwrap();
-    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
-    let (model, calib_s, fill_s) = (s(&ckpt.path), s(&calib), s(&fill));
-    let fit = [
-        "fit", "-m", &model, "--device", "cpu", "--calib", &calib_s, "--split", "15", "--ctx",
-        "256", "--alpha", "1e-3", "-o", &fill_s,
-    ];
-    let (ok, _, stderr) = common::ridgefill(&fit);
-    assert!(ok, "fit: {stderr}");
-    (corpus, fill)
 }
 
 /// OpenAI's legacy `echo` + `logprobs`, the way lm-evaluation-harness scores a continuation: the

@@ -974,5 +974,8 @@ fn sentence_stops_mark_a_needles_end_not_its_uuid() {
     assert_eq!(before, needle, "the first stop is the closing period");
     // The period and the line break (one token or two) are stops; the next word is none.
     let last = ids.len() - 1;
-    assert!(marked[first..last].iter().all(|&m| m) && !marked[last], "{marked:?}");
+    assert!(
+        marked[first..last].iter().all(|&m| m) && !marked[last],
+        "{marked:?}"
+    );
 }

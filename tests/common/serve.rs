@@ -1,5 +1,5 @@
 //! `ridgefill serve` from a test: start a server on a free port, talk HTTP/1.1 to it, read its
-//! JSON and SSE answers. Shared by `tests/serve.rs` and `tests/serve_scoring.rs`.
+//! JSON and SSE answers; a quick fill file to serve with. Shared by the `tests/serve*.rs` files.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -118,4 +118,23 @@ pub fn content(v: &Value) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("no content in {v}"))
         .to_string()
+}
+
+/// A quick fit (as the CLI tests' fill files) at the shipped split 15, calibrated on
+/// `tests/data/score.txt`, into `dir`: (the corpus, the fill file).
+pub fn quick_fill(dir: &std::path::Path) -> (String, std::path::PathBuf) {
+    let ckpt = super::smollm2_ckpt();
+    let (fill, calib) = (dir.join("s15.fill"), dir.join("calib"));
+    std::fs::create_dir(&calib).unwrap();
+    let corpus = std::fs::read_to_string(super::repo().join("tests/data/score.txt")).unwrap();
+    std::fs::write(calib.join("score.txt"), &corpus).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (model, calib_s, fill_s) = (s(&ckpt.path), s(&calib), s(&fill));
+    let fit = [
+        "fit", "-m", &model, "--device", "cpu", "--calib", &calib_s, "--split", "15", "--ctx",
+        "256", "--alpha", "1e-3", "-o", &fill_s,
+    ];
+    let (ok, _, stderr) = super::ridgefill(&fit);
+    assert!(ok, "fit: {stderr}");
+    (corpus, fill)
 }

@@ -89,6 +89,21 @@ impl KvCache {
         self.len = len;
     }
 
+    /// Room for at least `capacity` positions, keeping every cached slot (a cache reused for a
+    /// longer request).
+    pub fn grow(&mut self, capacity: usize) {
+        if capacity <= self.capacity {
+            return;
+        }
+        let extra = capacity - self.capacity;
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let [b, h, _, d] = t.dims();
+            let zeros = Tensor::<4>::zeros([b, h, extra, d], &t.device()).cast(self.stored);
+            *t = Tensor::cat(vec![t.clone(), zeros], 2);
+        }
+        self.capacity = capacity;
+    }
+
     /// Forgets everything; the storage is kept for the next sequence.
     pub fn reset(&mut self) {
         self.len = 0;

@@ -4,6 +4,16 @@
 //! per step; every
 //! sequence that is decoding advances in one batched step ([`Decoder::decode_batch`](ridgefill::model::Decoder::decode_batch)).
 //!
+//! A finished request leaves its cache behind, with the tokens it holds (prompt and the fed
+//! completion tokens): a new request takes the idle cache with the longest common token prefix
+//! (ties: least recently used) and prefills only the rest, as llama-server's `cache_prompt` and
+//! vLLM's prefix caching do; at most `parallel` caches stay idle, the least recently used
+//! dropped first. A cache whose prompt was filled is reused only by requests that fill too
+//! (its upper-layer rows are predictions), and a fill request reuses a prefix only when it
+//! covers at least half its prompt (otherwise filling the whole prompt afresh is cheaper:
+//! skip-and-fill needs an empty cache). A request that fails or whose client goes away drops
+//! its cache, so no half-written cache is ever reused.
+//!
 //! A request asking for log-probabilities gets them from the same logits it samples from; one
 //! that wants its prompt's (OpenAI's `echo` with `logprobs`, what evaluation harnesses score
 //! with) is prefilled in full with every position's logits, since skip-and-fill computes no
@@ -41,6 +51,8 @@ pub struct Job {
     /// Also the prompt's log-probabilities (every token after the first), with this many
     /// alternatives each; forces full prefill.
     pub prompt_logprobs: Option<usize>,
+    /// May reuse a cached prefix (OpenAI-compatible servers' `cache_prompt`).
+    pub cache_prompt: bool,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -66,6 +78,8 @@ pub struct Finish {
     /// OpenAI's `finish_reason`: `stop` (EOS or a stop string) or `length`.
     pub reason: &'static str,
     pub prompt_tokens: usize,
+    /// Prompt tokens reused from a cached prefix (OpenAI's `cached_tokens`).
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub prefill_ms: f64,
     pub ttft_ms: f64,
@@ -126,10 +140,32 @@ pub struct Fill {
     pub rows: FillRows,
 }
 
+/// A finished request's cache, kept for a later request that shares its prefix.
+struct Idle {
+    cache: KvCache,
+    /// The tokens the cache holds, in order.
+    tokens: Vec<u32>,
+    /// Whether some rows' upper-layer K/V were filled (only fill requests may reuse them).
+    filled: bool,
+    /// When it was left, in finished requests: the smallest is the least recently used.
+    used: u64,
+}
+
+/// Length of the longest common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// A request holding a slot.
 struct Seq<'t> {
     job: Job,
     cache: KvCache,
+    /// The tokens `cache` holds, in order.
+    tokens: Vec<u32>,
+    /// Prompt tokens reused from a cached prefix.
+    reused: usize,
+    /// Whether `cache` holds filled rows (from this prompt's fill).
+    cache_filled: bool,
     sampler: Sampler,
     /// Prompt tokens not yet prefilled.
     prefilled: usize,
@@ -160,6 +196,8 @@ pub struct Engine<'m> {
     pub fill: Option<&'m Fill>,
     pub parallel: usize,
     pub metrics: Arc<Metrics>,
+    /// Reuse finished requests' caches (`--no-cache-prompt` turns it off).
+    pub cache_prompt: bool,
 }
 
 impl<'m> Engine<'m> {
@@ -168,6 +206,8 @@ impl<'m> Engine<'m> {
     pub fn run(&self, queue: Receiver<Job>) {
         let eos = self.tokenizer.eos_ids();
         let mut active: Vec<Seq<'m>> = Vec::new();
+        let mut idle: Vec<Idle> = Vec::new();
+        let mut finished: u64 = 0;
         loop {
             let stopping = self.metrics.shutdown.load(Ordering::SeqCst);
             if stopping {
@@ -203,7 +243,7 @@ impl<'m> Engine<'m> {
                 if job.events.is_closed() {
                     continue;
                 }
-                active.push(self.start(job));
+                active.push(self.start(job, &mut idle));
             }
             // A client that went away frees its slot at once.
             active.retain(|s| !s.job.events.is_closed());
@@ -218,7 +258,8 @@ impl<'m> Engine<'m> {
                     let _ = s.job.events.send(Event::Failed(e.to_string()));
                 } else if active[i].done_reason.is_some() {
                     let s = active.remove(i);
-                    self.finish(s);
+                    finished += 1;
+                    self.finish(s, &mut idle, finished);
                 }
             }
             // One decode step of every sequence past its prefill.
@@ -229,14 +270,14 @@ impl<'m> Engine<'m> {
                 continue;
             }
             let t0 = Instant::now();
-            let tokens: Vec<u32> = ready.iter().map(|&i| active[i].next.unwrap_or(0)).collect();
+            let fed: Vec<u32> = ready.iter().map(|&i| active[i].next.unwrap_or(0)).collect();
             // The decoding sequences' caches and samplers, in `ready`'s order.
             let (mut caches, mut samplers): (Vec<&mut KvCache>, Vec<&mut Sampler>) = active
                 .iter_mut()
                 .filter(|s| s.next.is_some())
                 .map(|s| (&mut s.cache, &mut s.sampler))
                 .unzip();
-            let logits = match self.model.decode_batch(&tokens, &mut caches) {
+            let logits = match self.model.decode_batch(&fed, &mut caches) {
                 Ok(l) => to_host_f32(l),
                 Err(e) => {
                     for s in active.drain(..) {
@@ -249,6 +290,7 @@ impl<'m> Engine<'m> {
             let vocab = self.model.config.vocab_size;
             let tokens = sample_rows(&mut samplers, &logits, vocab);
             for (row, (&token, &i)) in tokens.iter().zip(&ready).enumerate() {
+                active[i].tokens.push(fed[row]);
                 active[i].accept(token, &logits[row * vocab..(row + 1) * vocab], &eos);
             }
             // Finished sequences leave; their slots take new requests next round.
@@ -256,7 +298,8 @@ impl<'m> Engine<'m> {
             while i < active.len() {
                 if active[i].done_reason.is_some() {
                     let s = active.remove(i);
-                    self.finish(s);
+                    finished += 1;
+                    self.finish(s, &mut idle, finished);
                 } else {
                     i += 1;
                 }
@@ -264,14 +307,46 @@ impl<'m> Engine<'m> {
         }
     }
 
-    fn start(&self, job: Job) -> Seq<'m> {
-        let capacity = job.prompt.len() + job.max_tokens;
+    /// A slot for `job`: the idle cache sharing its longest prefix when it may be reused (see
+    /// the module doc), else a new one.
+    fn start(&self, job: Job, idle: &mut Vec<Idle>) -> Seq<'m> {
+        let n = job.prompt.len();
+        let capacity = n + job.max_tokens;
         // Prompt logprobs need every position's logits: full prefill.
-        let filled = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
+        let mut filled = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
+        let reusable = self.cache_prompt && job.cache_prompt && job.prompt_logprobs.is_none();
+        // At least the last prompt token runs, for the first token's logits.
+        let best = idle
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| reusable && (filled || !e.filled))
+            .map(|(i, e)| (i, common_prefix(&e.tokens, &job.prompt).min(n - 1)))
+            .max_by(|a, b| a.1.cmp(&b.1).then(idle[b.0].used.cmp(&idle[a.0].used)));
+        let (cache, tokens, reused, cache_filled) = match best {
+            Some((i, p)) if p > 0 && (!filled || 2 * p >= n) => {
+                let Idle {
+                    mut cache,
+                    mut tokens,
+                    filled: was_filled,
+                    ..
+                } = idle.swap_remove(i);
+                cache.truncate(p);
+                cache.grow(capacity);
+                tokens.truncate(p);
+                // The rest runs every layer: skip-and-fill needs an empty cache.
+                filled = false;
+                (cache, tokens, p, was_filled)
+            }
+            _ => (self.model.new_cache(capacity), Vec::new(), 0, false),
+        };
+        self.metrics.record_cache(reused, n - reused);
         Seq {
-            cache: self.model.new_cache(capacity),
+            cache,
+            tokens,
+            reused,
+            cache_filled,
             sampler: Sampler::new(job.sampler.clone()),
-            prefilled: 0,
+            prefilled: reused,
             next: None,
             generated: 0,
             decoder: self.tokenizer.stream_decoder(true),
@@ -345,6 +420,9 @@ impl<'m> Engine<'m> {
         let Some(logits) = logits else {
             return Ok(());
         };
+        let held = s.tokens.len();
+        s.tokens.extend_from_slice(&s.job.prompt[held..]);
+        s.cache_filled |= s.filled;
         check_finite(&logits, logits.len(), n - 1)?;
         s.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
         self.metrics.record_prefill(n, started.elapsed());
@@ -364,7 +442,9 @@ impl<'m> Engine<'m> {
         Ok(())
     }
 
-    fn finish(&self, mut s: Seq<'m>) {
+    /// Sends `s`'s outcome and leaves its cache idle for a later request (`finished`: how many
+    /// requests have finished, this one included).
+    fn finish(&self, mut s: Seq<'m>, idle: &mut Vec<Idle>, finished: u64) {
         s.flush_all();
         let reason = s.done_reason.unwrap_or("stop");
         self.metrics
@@ -372,12 +452,26 @@ impl<'m> Engine<'m> {
         let _ = s.job.events.send(Event::Done(Finish {
             reason,
             prompt_tokens: s.job.prompt.len(),
+            cached_tokens: s.reused,
             completion_tokens: s.generated,
             prefill_ms: s.prefill_ms,
             ttft_ms: s.ttft_ms,
             filled: s.filled,
             report: s.report,
         }));
+        if !self.cache_prompt || s.tokens.is_empty() {
+            return;
+        }
+        idle.push(Idle {
+            cache: s.cache,
+            tokens: s.tokens,
+            filled: s.cache_filled,
+            used: finished,
+        });
+        if idle.len() > self.parallel {
+            let lru = (0..idle.len()).min_by_key(|&i| idle[i].used);
+            lru.map(|i| idle.swap_remove(i));
+        }
     }
 }
 

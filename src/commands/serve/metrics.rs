@@ -33,6 +33,9 @@ struct Inner {
     fill_fallbacks: u64,
     prefill_tokens: u64,
     prefill_seconds: f64,
+    /// Prompt tokens taken from a cached prefix, and those prefilled, over every started request.
+    cache_hit_tokens: u64,
+    cache_miss_tokens: u64,
     decode_tokens: u64,
     decode_seconds: f64,
     decode_steps: u64,
@@ -46,6 +49,14 @@ impl Metrics {
         // A panic elsewhere cannot leave these counters half-updated in a harmful way.
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut g);
+    }
+
+    /// A request started with `hit` prompt tokens reused from a cached prefix, `miss` to prefill.
+    pub fn record_cache(&self, hit: usize, miss: usize) {
+        self.with(|m| {
+            m.cache_hit_tokens += hit as u64;
+            m.cache_miss_tokens += miss as u64;
+        });
     }
 
     pub fn record_prefill(&self, tokens: usize, took: Duration) {
@@ -135,6 +146,18 @@ impl Metrics {
             "counter",
             "Completed requests prefilled with skip-and-fill.",
             m.filled.to_string(),
+        );
+        metric(
+            "prompt_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens reused from a slot's cached prefix instead of prefilled.",
+            m.cache_hit_tokens.to_string(),
+        );
+        metric(
+            "prompt_cache_miss_tokens_total",
+            "counter",
+            "Prompt tokens prefilled (not found in any cached prefix).",
+            m.cache_miss_tokens.to_string(),
         );
         metric(
             "filled_rows_total",

@@ -43,6 +43,10 @@ pub struct Args {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// Prefill every prompt whole: finished requests' caches are not kept for later requests
+    /// sharing their prefix (per request: `"cache_prompt": false`).
+    #[arg(long)]
+    pub no_cache_prompt: bool,
 }
 
 /// Largest default context (the KV cache of each slot is sized per request).
@@ -125,6 +129,7 @@ pub fn run(a: Args) -> Result<()> {
                 fill,
                 parallel,
                 metrics: engine_metrics,
+                cache_prompt: !a.no_cache_prompt,
             }
             .run(queue_rx)
         });

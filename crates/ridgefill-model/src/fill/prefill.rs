@@ -237,10 +237,12 @@ impl<'a> Prefill<'a> {
                 let upper = fill_upper(
                     model,
                     maps,
-                    self.opts.rows,
+                    RowPlan {
+                        rows: self.opts.rows,
+                        ends: &self.ends,
+                    },
                     tail_in,
                     h_split,
-                    &self.ends,
                     cache,
                     self.opts.oracle,
                 )?;
@@ -288,6 +290,14 @@ pub(crate) fn scoring_layer(model: &Decoder, split: usize) -> usize {
         .unwrap_or(split - 1)
 }
 
+/// Which rows of this prompt run exactly, and where its sentences end (spans run on to them).
+#[derive(Clone, Copy)]
+pub(crate) struct RowPlan<'a> {
+    pub rows: FillRows,
+    /// Per prompt row, whether it ends a sentence (empty: unknown).
+    pub ends: &'a [bool],
+}
+
 /// What [`fill_upper`] did.
 pub(crate) struct Upper {
     /// The last row entering the head, `[1, hidden]`.
@@ -310,13 +320,13 @@ pub(crate) struct Upper {
 pub(crate) fn fill_upper(
     model: &Decoder,
     maps: &FillMaps,
-    rows: FillRows,
+    plan: RowPlan<'_>,
     tail_in: Tensor<2>,
     h_split: Tensor<2>,
-    ends: &[bool],
     cache: &mut KvCache,
     oracle: Option<&Oracle>,
 ) -> Result<Upper> {
+    let RowPlan { rows, ends } = plan;
     let n = h_split.dims()[0];
     let bulk = rows
         .bulk(n)
@@ -380,7 +390,7 @@ pub(crate) fn fill_upper(
     };
     let from = deep_scored.max(maps.split);
     let h_deeper = run_exact(model, h, from..deeper.split, cache)?;
-    fill_upper(model, deeper, rows, tail_in, h_deeper, ends, cache, oracle)
+    fill_upper(model, deeper, plan, tail_in, h_deeper, cache, oracle)
 }
 
 /// Every row of `h` (entering `layers.start`, positions `0..`) through `layers` exactly, chunk

@@ -189,6 +189,7 @@ fn enqueue(
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs,
         prompt_logprobs: if p.echo { p.logprobs } else { None },
+        cache_prompt: p.cache_prompt,
         events: tx,
         received: Instant::now(),
     };

@@ -64,6 +64,8 @@ pub struct Params {
     pub stream: bool,
     pub fill: bool,
     pub ignore_eos: bool,
+    /// May reuse a cached prefix (llama-server's `cache_prompt`, default true).
+    pub cache_prompt: bool,
 }
 
 /// The generation parameters of `o`, each checked against OpenAI's range for it (`kind`:
@@ -202,6 +204,7 @@ pub fn params(
         fill,
         // llama-server's extension: generate max_tokens tokens (benchmarks).
         ignore_eos: boolean("ignore_eos")?.unwrap_or(false),
+        cache_prompt: boolean("cache_prompt")?.unwrap_or(true),
     })
 }
 

@@ -27,11 +27,13 @@ pub struct Head {
 pub fn usage(fs: &[Finish]) -> Value {
     let prompt: usize = fs.iter().map(|f| f.prompt_tokens).sum();
     let completion: usize = fs.iter().map(|f| f.completion_tokens).sum();
+    let cached: usize = fs.iter().map(|f| f.cached_tokens).sum();
     let ms = |g: fn(&Finish) -> f64| fs.iter().map(g).fold(0.0, f64::max);
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
         "prefill_ms": ms(|f| f.prefill_ms),
         "ttft_ms": ms(|f| f.ttft_ms),
         "fill": fs.iter().any(|f| f.filled),

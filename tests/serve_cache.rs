@@ -1,0 +1,108 @@
+//! `ridgefill serve` reusing prompt prefixes across requests, on SmolLM2: a request sharing a
+//! finished request's prefix prefills only the rest (`usage.prompt_tokens_details.cached_tokens`,
+//! `/metrics`), and answers exactly as with `"cache_prompt": false`; a cache whose rows were
+//! filled is never reused by a request that runs every layer.
+
+mod common;
+
+use common::serve::{GREEDY_TOKENS, http, post, quick_fill, start};
+use serde_json::{Value, json};
+
+/// A shared system prompt long enough that reusing it matters (~150 tokens).
+fn system() -> String {
+    "You are a careful assistant for a library. Answer in one short sentence, name the shelf \
+     and say nothing else. "
+        .repeat(6)
+}
+
+/// A greedy chat request after [`system`], with `extra` fields.
+fn ask(question: &str, extra: Value) -> Value {
+    let mut body = json!({
+        "messages": [
+            {"role": "system", "content": system()},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": GREEDY_TOKENS,
+        "temperature": 0,
+    });
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// (answer, prompt tokens, cached tokens) of one chat request.
+fn chat(port: u16, body: &Value) -> (String, u64, u64) {
+    let (status, r) = post(port, "/v1/chat/completions", body);
+    assert_eq!(status, 200, "{r}");
+    let u = &r["usage"];
+    (
+        r["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    )
+}
+
+/// The value of counter `name` in `/metrics`.
+fn counter(port: u16, name: &str) -> u64 {
+    let (_, _, text) = http(port, "GET", "/metrics", b"");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("ridgefill_{name} ")))
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_shared_prefix_is_prefilled_once_and_answers_as_afresh() {
+    let server = start(&["--parallel", "2", "--ctx", "1024"]);
+    let port = server.port;
+    let (_, p1, c1) = chat(port, &ask("Where are the atlases?", json!({})));
+    assert_eq!(c1, 0, "nothing cached yet");
+    let (a2, p2, c2) = chat(port, &ask("Where are the cookbooks?", json!({})));
+    // The system prompt and the template's opening are shared; the question is not.
+    assert!(
+        c2 > p1 / 2 && c2 < p2,
+        "cached {c2} of {p2} (first prompt {p1})"
+    );
+    let (fresh, _, c3) = chat(
+        port,
+        &ask("Where are the cookbooks?", json!({"cache_prompt": false})),
+    );
+    assert_eq!((fresh.as_str(), c3), (a2.as_str(), 0));
+    // The same prompt again: all of it but the last token, which runs for its logits.
+    let (a4, p4, c4) = chat(port, &ask("Where are the cookbooks?", json!({})));
+    assert_eq!((a4.as_str(), c4), (a2.as_str(), p4 - 1));
+    let hits = counter(port, "prompt_cache_hit_tokens_total");
+    let misses = counter(port, "prompt_cache_miss_tokens_total");
+    assert_eq!(hits, c2 + c4);
+    assert_eq!(hits + misses, p1 + p2 * 3);
+}
+
+#[test]
+fn filled_rows_are_reused_only_by_filling_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, fill) = quick_fill(dir.path());
+    let server = start(&["--fill", fill.to_str().unwrap(), "--ctx", "1024"]);
+    let port = server.port;
+    let q = "Where are the atlases?";
+    let (_, p, c) = chat(port, &ask(q, json!({})));
+    assert_eq!(c, 0);
+    // Exact rows wanted: the filled cache is passed over.
+    let (exact, _, c) = chat(port, &ask(q, json!({"fill": false})));
+    assert_eq!(c, 0, "a request without fill reused filled rows");
+    let (again, _, c) = chat(port, &ask(q, json!({"fill": false})));
+    assert_eq!(
+        (again.as_str(), c),
+        (exact.as_str(), p - 1),
+        "exact rows reused"
+    );
+    // A filling request may take either cache.
+    let (_, _, c) = chat(port, &ask(q, json!({})));
+    assert_eq!(c, p - 1);
+}
