@@ -6,13 +6,17 @@
 mod common;
 
 use common::serve::{GREEDY_TOKENS, http, post, quick_fill, start};
+use ridgefill::model::decoder::REUSE_MIN_ROWS;
 use serde_json::{Value, json};
 
-/// A shared system prompt long enough that reusing it matters (~150 tokens).
+/// Prompt rows that run even when the whole prompt is cached.
+const MIN: u64 = REUSE_MIN_ROWS as u64;
+
+/// A shared system prompt long enough that reusing it matters (~250 tokens).
 fn system() -> String {
     "You are a careful assistant for a library. Answer in one short sentence, name the shelf \
      and say nothing else. "
-        .repeat(6)
+        .repeat(10)
 }
 
 /// A greedy chat request after [`system`], with `extra` fields.
@@ -75,9 +79,9 @@ fn a_shared_prefix_is_prefilled_once_and_answers_as_afresh() {
         &ask("Where are the cookbooks?", json!({"cache_prompt": false})),
     );
     assert_eq!((fresh.as_str(), c3), (a2.as_str(), 0));
-    // The same prompt again: all of it but the last token, which runs for its logits.
+    // The same prompt again: all of it but the last rows, which run as a cold prefill's do.
     let (a4, p4, c4) = chat(port, &ask("Where are the cookbooks?", json!({})));
-    assert_eq!((a4.as_str(), c4), (a2.as_str(), p4 - 1));
+    assert_eq!((a4.as_str(), c4), (a2.as_str(), p4 - MIN));
     let hits = counter(port, "prompt_cache_hit_tokens_total");
     let misses = counter(port, "prompt_cache_miss_tokens_total");
     assert_eq!(hits, c2 + c4);
@@ -99,10 +103,10 @@ fn filled_rows_are_reused_only_by_filling_requests() {
     let (again, _, c) = chat(port, &ask(q, json!({"fill": false})));
     assert_eq!(
         (again.as_str(), c),
-        (exact.as_str(), p - 1),
+        (exact.as_str(), p - MIN),
         "exact rows reused"
     );
     // A filling request may take either cache.
     let (_, _, c) = chat(port, &ask(q, json!({})));
-    assert_eq!(c, p - 1);
+    assert_eq!(c, p - MIN);
 }

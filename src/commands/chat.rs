@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use ridgefill::interrupt;
 use ridgefill::io::chat::ChatMessage;
+use ridgefill::model::decoder::REUSE_MIN_ROWS;
 use ridgefill::model::{Sampler, to_host_f32};
 
 use super::common::{ModelArgs, RowArgs, SamplingArgs, check_logits, load};
@@ -146,10 +147,10 @@ pub fn run(a: Args) -> Result<()> {
             }
             history.remove(keep);
         };
-        // Reuse the longest cached prefix; at least the last token runs, for its logits.
+        // Reuse the longest cached prefix; the last rows run as a cold prefill runs them.
         let reuse = match a.no_cache_prompt {
             true => 0,
-            false => common_prefix(&cached, &ids).min(ids.len() - 1),
+            false => common_prefix(&cached, &ids).min(ids.len().saturating_sub(REUSE_MIN_ROWS)),
         };
         cache.truncate(reuse);
         cached.truncate(reuse);

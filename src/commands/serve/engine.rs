@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
 use ridgefill::model::fill::{FillMaps, FillOptions, FillReport, FillRows, Prefill};
 use ridgefill::model::sample::sample_rows;
-use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK};
+use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK, decoder::REUSE_MIN_ROWS};
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -315,12 +315,13 @@ impl<'m> Engine<'m> {
         // Prompt logprobs need every position's logits: full prefill.
         let mut filled = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
         let reusable = self.cache_prompt && job.cache_prompt && job.prompt_logprobs.is_none();
-        // At least the last prompt token runs, for the first token's logits.
+        // The prompt's last rows run as a cold prefill runs them (`REUSE_MIN_ROWS`).
+        let most = n.saturating_sub(REUSE_MIN_ROWS);
         let best = idle
             .iter()
             .enumerate()
             .filter(|(_, e)| reusable && (filled || !e.filled))
-            .map(|(i, e)| (i, common_prefix(&e.tokens, &job.prompt).min(n - 1)))
+            .map(|(i, e)| (i, common_prefix(&e.tokens, &job.prompt).min(most)))
             .max_by(|a, b| a.1.cmp(&b.1).then(idle[b.0].used.cmp(&idle[a.0].used)));
         let (cache, tokens, reused, cache_filled) = match best {
             Some((i, p)) if p > 0 && (!filled || 2 * p >= n) => {

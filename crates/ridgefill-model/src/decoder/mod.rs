@@ -37,6 +37,12 @@ pub use load::LoadOptions;
 /// (the MLP's `[rows, 2·intermediate]`) while the GEMMs stay large enough to run at full speed.
 pub const PREFILL_CHUNK: usize = 256;
 
+/// Fewest prompt rows a prefill after a reused cache prefix runs: the quantised matmuls take
+/// their 8-bit-activation path below 16–48 rows (by block type and CPU), whose rounding moved
+/// SmolLM2's last-row logits by 0.69 and flipped a greedy answer, so the prompt's last rows run
+/// as a cold prefill runs them.
+pub const REUSE_MIN_ROWS: usize = 64;
+
 /// How a block's attention and MLP run, chosen once per block when the model is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExecPath {
