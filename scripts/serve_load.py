@@ -7,6 +7,10 @@
       a long prompt arrives while STREAMS streams decode: their longest pause between tokens
   serve_load.py URL ttft [--prompt-tokens 8192] [--batch 4]
       time to first token of BATCH simultaneous long prompts, with and without skip-and-fill
+  serve_load.py URL chat [--doc FILE] [--turns 6] [--tokens 32]
+      a chat about a document, one question a turn: each turn's time to first token (as the
+      client sees it) with prefix reuse on and off, full and skip-and-fill, beside a cold
+      prefill of only that turn's new text
 
 URL is the server's base, e.g. http://127.0.0.1:8080. Requests use ignore_eos so every stream
 generates exactly --tokens tokens."""
@@ -129,10 +133,81 @@ def ttft(a):
               f"TTFT mean {statistics.mean(t):.0f} ms, last {max(t):.0f} ms")
 
 
+def chat_stream(url, body):
+    """POSTs a streamed chat completion; returns (seconds to the first content, text, usage)."""
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    first, text, usage = None, "", None
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter() - t0
+                text += chunk["choices"][0]["delta"]["content"]
+            usage = chunk.get("usage") or usage
+    return (first or time.perf_counter() - t0), text, usage
+
+
+QUESTIONS = [
+    "What is this document about?",
+    "Who are the people it names?",
+    "Summarise its second paragraph.",
+    "What happens at the end?",
+    "Which places does it mention?",
+    "What is the most surprising detail?",
+    "Give it a short title.",
+    "What would you ask its author?",
+]
+
+
+def chat(a):
+    doc = open(a.doc, encoding="utf-8").read()
+    runs = {}
+    for fill in [False, True]:
+        for reuse in [True, False]:
+            # A tag of its own, so no conversation reuses another's cache.
+            tag = f"Conversation {len(runs) + 1}.\n\n"
+            msgs = [{"role": "user", "content": tag + doc + "\n\n" + QUESTIONS[0]}]
+            rows = []
+            for k in range(a.turns):
+                body = {"messages": msgs, "max_tokens": a.tokens, "temperature": 0,
+                        "fill": fill, "cache_prompt": reuse}
+                t, text, u = chat_stream(a.url, body)
+                rows.append((t, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]))
+                msgs = msgs + [{"role": "assistant", "content": text},
+                               {"role": "user", "content": QUESTIONS[(k + 1) % len(QUESTIONS)]}]
+            runs[(fill, reuse)] = rows
+    # A cold prefill of each turn's new tokens alone: the turn's question (after the first turn,
+    # the previous reply and the question) as a fresh conversation.
+    cold = [None]
+    for k in range(1, a.turns):
+        body = {"messages": [{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}],
+                "max_tokens": a.tokens, "temperature": 0, "fill": False, "cache_prompt": False}
+        cold.append(chat_stream(a.url, body)[0])
+    print("| turn | prompt tokens | full, reuse | full, no reuse | fill, reuse | fill, no reuse | cold prefill of the new tokens |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for k in range(a.turns):
+        cells = []
+        for key in [(False, True), (False, False), (True, True), (True, False)]:
+            t, n, c = runs[key][k]
+            cells.append(f"{1e3 * t:.0f} ms ({c} cached)")
+        c = "—" if cold[k] is None else f"{1e3 * cold[k]:.0f} ms"
+        print(f"| {k + 1} | {runs[(False, True)][k][1]} | " + " | ".join(cells) + f" | {c} |")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("url")
-    p.add_argument("mode", choices=["streams", "longprompt", "ttft"])
+    p.add_argument("mode", choices=["streams", "longprompt", "ttft", "chat"])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--clients", default="1,8")
     p.add_argument("--temperature", type=float, default=0.0, help="streams: sampling temperature (0: greedy)")
@@ -141,8 +216,10 @@ def main():
     p.add_argument("--delay", type=float, default=2.0)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--no-fill", action="store_true", help="longprompt: full prefill for the long prompt")
+    p.add_argument("--doc", default="data/answers/prose/verne-80-days-ch3.txt", help="chat: the document")
+    p.add_argument("--turns", type=int, default=6, help="chat: questions about the document")
     a = p.parse_args()
-    {"streams": streams, "longprompt": longprompt, "ttft": ttft}[a.mode](a)
+    {"streams": streams, "longprompt": longprompt, "ttft": ttft, "chat": chat}[a.mode](a)
 
 
 if __name__ == "__main__":
