@@ -7,7 +7,8 @@
 //! tokens after the longest common prefix are prefilled — as llama-server's `cache_prompt` does.
 //! Where the template re-renders earlier text differently (a reply re-tokenized otherwise than it
 //! was sampled), the prefix simply ends there. Skip-and-fill needs an empty cache, so it fills the
-//! first turn (or any turn whose prefix is gone); later turns' new tokens run every layer.
+//! first turn (or any turn whose cached prefix is less than half its prompt); later turns' new
+//! tokens run every layer.
 
 use ridgefill::model::fill::{FillOptions, Prefill};
 use std::io::{BufRead, IsTerminal, Write};
@@ -151,6 +152,12 @@ pub fn run(a: Args) -> Result<()> {
         let reuse = match a.no_cache_prompt {
             true => 0,
             false => common_prefix(&cached, &ids).min(ids.len().saturating_sub(REUSE_MIN_ROWS)),
+        };
+        // A fill reuses a prefix only when it covers half the prompt; else filling the whole
+        // prompt afresh is cheaper (skip-and-fill needs an empty cache), as in `serve`.
+        let reuse = match fill {
+            Some(_) if 2 * reuse < ids.len() => 0,
+            _ => reuse,
         };
         cache.truncate(reuse);
         cached.truncate(reuse);
