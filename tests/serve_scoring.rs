@@ -135,11 +135,12 @@ fn serve_scores_prompts_with_echo_and_logprobs() {
     assert_eq!(last, best, "greedy token's logprob is its top-1 ({top:?})");
     assert!(c2["text"].as_str().unwrap().starts_with(&text));
 
-    // Without logprobs the same prompt runs skip-and-fill, and the server counts it.
+    // Without logprobs (and not reusing the scored prompt's exact cache) the same prompt runs
+    // skip-and-fill, and the server counts it.
     let (status, r) = post(
         port,
         "/v1/completions",
-        &json!({"prompt": text, "max_tokens": 1, "temperature": 0}),
+        &json!({"prompt": text, "max_tokens": 1, "temperature": 0, "cache_prompt": false}),
     );
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["fill"], true, "{r}");
