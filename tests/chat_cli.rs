@@ -1,5 +1,6 @@
-//! `ridgefill chat` end to end, on SmolLM2: a turn reuses the cached conversation and prefills
-//! only its new tokens, and answers exactly as a fresh prefill of the whole conversation does.
+//! `ridgefill chat` end to end, on SmolLM2: piped turns, `/reset`, and a turn that reuses the
+//! cached conversation, prefills only its new tokens and answers exactly as a fresh prefill of
+//! the whole conversation does.
 
 mod common;
 
@@ -77,4 +78,37 @@ fn a_turn_prefills_only_its_new_tokens_and_answers_as_a_fresh_prefill() {
         fresh_turns,
         prompts.iter().map(|&p| (p, 0)).collect::<Vec<_>>()
     );
+}
+
+/// `ridgefill chat` with piped turns: each reply streams on its own line, `/reset` forgets the
+/// history (the same question then gets the same greedy answer), end of input leaves cleanly.
+#[test]
+fn chat_answers_piped_turns() {
+    common::smollm2_ckpt();
+    let mut child = Command::new(common::BIN)
+        .args(["chat", "--device", "cpu", "--temp", "0", "-n", "12"])
+        .args(["--system", "You are a helpful assistant."])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ridgefill chat");
+    let q = "What is the capital of France?";
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{q}\n\n/reset\n{q}\n").as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let replies: Vec<&str> = stdout.lines().collect();
+    assert_eq!(replies.len(), 2, "{stdout:?}");
+    assert!(replies[0].contains("Paris"), "{stdout:?}");
+    assert_eq!(replies[0], replies[1]);
 }
