@@ -47,7 +47,7 @@ while [ $# -gt 0 ]; do
 done
 [[ "$limit" =~ ^[0-9]+$ && "$limit" -gt 0 ]] || { echo "error: --limit $limit: expected a positive integer" >&2; exit 2; }
 [[ "$lengths" =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "error: --lengths $lengths: expected comma-separated token counts, e.g. 2048,4096" >&2; exit 2; }
-results=${results:-data/lm_eval/$(date +%Y%m%d-%H%M%S)$([ $ci = 1 ] && echo -ci)}
+results=${results:-data/lm_eval/$(date +%Y%m%d-%H%M%S)$(if [ $ci = 1 ]; then echo -ci; fi)}
 mkdir -p "$results"
 results=$(cd "$results" && pwd)
 
