@@ -333,7 +333,7 @@ fn serve_and_chat_refuse_bad_flags() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
         (
             &["serve", "--host", "no such host", "--port", "0"],
             "not an address",
@@ -356,6 +356,14 @@ fn serve_and_chat_refuse_bad_flags() {
             "leaves no room",
         ),
         (&["chat", "--device", "cpu", "--temp", "hot"], "--temp"),
+        (
+            &["chat", "--device", "cpu", "--sentence-reach", "far"],
+            "--sentence-reach",
+        ),
+        (
+            &["serve", "--no-cache-prompt=yes", "--port", "0"],
+            "--no-cache-prompt",
+        ),
     ];
     for (args, needle) in cases {
         let (ok, stderr) = run(args);

@@ -82,6 +82,19 @@ fn a_shared_prefix_is_prefilled_once_and_answers_as_afresh() {
     // The same prompt again: all of it but the last rows, which run as a cold prefill's do.
     let (a4, p4, c4) = chat(port, &ask("Where are the cookbooks?", json!({})));
     assert_eq!((a4.as_str(), c4), (a2.as_str(), p4 - MIN));
+    // Anything but a boolean is refused, naming the field.
+    let (status, r) = post(
+        port,
+        "/v1/chat/completions",
+        &ask("Where are the maps?", json!({"cache_prompt": "yes"})),
+    );
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(r["error"]["param"], "cache_prompt", "{r}");
+    let msg = r["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("`cache_prompt` must be true or false"),
+        "{msg}"
+    );
     let hits = counter(port, "prompt_cache_hit_tokens_total");
     let misses = counter(port, "prompt_cache_miss_tokens_total");
     assert_eq!(hits, c2 + c4);
