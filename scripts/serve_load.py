@@ -22,14 +22,13 @@ import time
 import urllib.request
 
 
-def stream(url, body, out):
-    """POSTs a streamed completion; appends (time, text) per chunk to out; returns usage."""
+def events(url, path, body):
+    """POSTs a streamed request to path; yields each server-sent chunk as JSON."""
     req = urllib.request.Request(
-        url + "/v1/completions",
+        url + path,
         data=json.dumps({**body, "stream": True}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    usage = None
     with urllib.request.urlopen(req, timeout=3600) as r:
         for line in r:
             line = line.decode().strip()
@@ -38,10 +37,17 @@ def stream(url, body, out):
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
-            text = chunk["choices"][0].get("text", "")
-            if text:
-                out.append((time.perf_counter(), text))
-            usage = chunk.get("usage") or usage
+            yield chunk
+
+
+def stream(url, body, out):
+    """POSTs a streamed completion; appends (time, text) per chunk to out; returns usage."""
+    usage = None
+    for chunk in events(url, "/v1/completions", body):
+        text = chunk["choices"][0].get("text", "")
+        if text:
+            out.append((time.perf_counter(), text))
+        usage = chunk.get("usage") or usage
     return usage
 
 
@@ -135,25 +141,13 @@ def ttft(a):
 
 def chat_stream(url, body):
     """POSTs a streamed chat completion; returns (seconds to the first content, text, usage)."""
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     t0 = time.perf_counter()
     first, text, usage = None, "", None
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                first = first or time.perf_counter() - t0
-                text += chunk["choices"][0]["delta"]["content"]
-            usage = chunk.get("usage") or usage
+    for chunk in events(url, "/v1/chat/completions", body):
+        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            first = first or time.perf_counter() - t0
+            text += chunk["choices"][0]["delta"]["content"]
+        usage = chunk.get("usage") or usage
     return (first or time.perf_counter() - t0), text, usage
 
 

@@ -17,10 +17,9 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use ridgefill::interrupt;
 use ridgefill::io::chat::ChatMessage;
-use ridgefill::model::decoder::REUSE_MIN_ROWS;
 use ridgefill::model::{Sampler, to_host_f32};
 
-use super::common::{ModelArgs, RowArgs, SamplingArgs, check_logits, load};
+use super::common::{ModelArgs, RowArgs, SamplingArgs, check_logits, load, reusable_prefix};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -50,11 +49,6 @@ pub struct Args {
 
 /// Set to print each turn's cache use on stderr when stdin is not a terminal.
 const VERBOSE_ENV: &str = "RIDGEFILL_CHAT_VERBOSE";
-
-/// Length of the longest common prefix of `a` and `b`.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
 
 /// Largest default context.
 const DEFAULT_CTX_CAP: usize = 4096;
@@ -148,16 +142,9 @@ pub fn run(a: Args) -> Result<()> {
             }
             history.remove(keep);
         };
-        // Reuse the longest cached prefix; the last rows run as a cold prefill runs them.
         let reuse = match a.no_cache_prompt {
             true => 0,
-            false => common_prefix(&cached, &ids).min(ids.len().saturating_sub(REUSE_MIN_ROWS)),
-        };
-        // A fill reuses a prefix only when it covers half the prompt; else filling the whole
-        // prompt afresh is cheaper (skip-and-fill needs an empty cache), as in `serve`.
-        let reuse = match fill {
-            Some(_) if 2 * reuse < ids.len() => 0,
-            _ => reuse,
+            false => reusable_prefix(&cached, &ids, fill.is_some()),
         };
         cache.truncate(reuse);
         cached.truncate(reuse);

@@ -27,11 +27,12 @@ use std::time::{Duration, Instant};
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
 use ridgefill::model::fill::{FillMaps, FillOptions, FillReport, FillRows, Prefill};
 use ridgefill::model::sample::sample_rows;
-use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK, decoder::REUSE_MIN_ROWS};
+use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK};
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
+use crate::commands::common::reusable_prefix;
 
 /// How long the idle scheduler waits for a request before checking for shutdown.
 const IDLE_POLL: Duration = Duration::from_millis(50);
@@ -149,11 +150,6 @@ struct Idle {
     filled: bool,
     /// When it was left, in finished requests: the smallest is the least recently used.
     used: u64,
-}
-
-/// Length of the longest common prefix of `a` and `b`.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// A request holding a slot.
@@ -315,16 +311,14 @@ impl<'m> Engine<'m> {
         // Prompt logprobs need every position's logits: full prefill.
         let mut filled = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
         let reusable = self.cache_prompt && job.cache_prompt && job.prompt_logprobs.is_none();
-        // The prompt's last rows run as a cold prefill runs them (`REUSE_MIN_ROWS`).
-        let most = n.saturating_sub(REUSE_MIN_ROWS);
         let best = idle
             .iter()
             .enumerate()
             .filter(|(_, e)| reusable && (filled || !e.filled))
-            .map(|(i, e)| (i, common_prefix(&e.tokens, &job.prompt).min(most)))
+            .map(|(i, e)| (i, reusable_prefix(&e.tokens, &job.prompt, filled)))
             .max_by(|a, b| a.1.cmp(&b.1).then(idle[b.0].used.cmp(&idle[a.0].used)));
         let (cache, tokens, reused, cache_filled) = match best {
-            Some((i, p)) if p > 0 && (!filled || 2 * p >= n) => {
+            Some((i, p)) if p > 0 => {
                 let Idle {
                     mut cache,
                     mut tokens,
