@@ -167,13 +167,30 @@ pub fn configure(
         span,
         question: choice.question,
         sentence_reach: choice.sentence_reach,
-        max_error: choice.max_error.unwrap_or(f64::INFINITY),
+        max_error: match choice.max_error {
+            Some(e) => e,
+            // The self-check guards the method the file was fitted for, not a variant of it.
+            None if choice.method.is_none_or(|m| m.name() == recorded.name) => {
+                default_max_error(&file.meta)
+            }
+            None => f64::INFINITY,
+        },
     };
     let (mut maps, rows) = method.configure(maps, rows)?;
     if let (Some(w), Some(a)) = (choice.adapt_weight, maps.adapt.as_mut()) {
         a.weight = w;
     }
     Ok((method, maps, rows))
+}
+
+/// The self-check threshold a fill file runs with unless told otherwise:
+/// [`DEFAULT_ERROR_RATIO`] times its maps' held-out error (none for a file without one).
+///
+/// [`DEFAULT_ERROR_RATIO`]: ridgefill_model::fill::DEFAULT_ERROR_RATIO
+pub fn default_max_error(meta: &ridgefill_io::fill::FillMeta) -> f64 {
+    meta.heldout_error().map_or(f64::INFINITY, |e| {
+        ridgefill_model::fill::DEFAULT_ERROR_RATIO * e
+    })
 }
 
 /// Run-time choices of how to apply a fill file (`None`: what the file records).
@@ -189,7 +206,8 @@ pub struct MethodChoice {
     pub question: usize,
     /// How far, in span radii, a span may run on to its sentence's end (0: fixed width).
     pub sentence_reach: usize,
-    /// Self-check threshold on the maps' relative error (`None`: never fall back).
+    /// Self-check threshold on the maps' relative error (`None`: the file's default for its
+    /// own method, [`default_max_error`]; infinite: never fall back).
     pub max_error: Option<f64>,
     /// Fill files at deeper splits, tried in turn when the self-check fails.
     pub deeper: Vec<std::path::PathBuf>,

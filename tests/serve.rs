@@ -333,7 +333,7 @@ fn serve_and_chat_refuse_bad_flags() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["serve", "--host", "no such host", "--port", "0"],
             "not an address",
@@ -363,6 +363,10 @@ fn serve_and_chat_refuse_bad_flags() {
         (
             &["serve", "--no-cache-prompt=yes", "--port", "0"],
             "--no-cache-prompt",
+        ),
+        (
+            &["generate", "-p", "x", "--max-fill-error", "never"],
+            "a positive number or off",
         ),
     ];
     for (args, needle) in cases {

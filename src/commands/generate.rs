@@ -212,7 +212,7 @@ pub fn run(a: Args) -> Result<()> {
             "fill s={} {method} exact {} | {}",
             m.split,
             rows.exact,
-            describe_fill(&r)
+            describe_fill(&r, rows.max_error)
         ),
         _ => "full".to_string(),
     };
@@ -233,13 +233,13 @@ pub fn run(a: Args) -> Result<()> {
 }
 
 /// Whether and how much a prefill filled, and its self-check, in one phrase.
-fn describe_fill(r: &ridgefill::model::fill::FillReport) -> String {
+fn describe_fill(r: &ridgefill::model::fill::FillReport, max_error: f64) -> String {
     let error = r.error.map_or_else(
         || "no self-check".to_string(),
         |e| format!("fill error {e:.3}"),
     );
     if r.fell_back {
-        format!("{error} over --max-fill-error: ran exactly")
+        format!("{error} over the self-check's {max_error:.3} (--max-fill-error): ran exactly")
     } else {
         format!(
             "filled {}/{} rows, tail {} | {error}",

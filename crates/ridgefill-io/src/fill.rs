@@ -227,6 +227,18 @@ pub struct FillMeta {
 }
 
 impl FillMeta {
+    /// The maps' held-out error: `1 − R²` of K and V averaged over the upper layers, the
+    /// calibration text's counterpart of a prompt's self-check error (`None`: not measured).
+    pub fn heldout_error(&self) -> Option<f64> {
+        let n = self.quality.len();
+        let sum: f64 = self
+            .quality
+            .iter()
+            .map(|q| 1.0 - 0.5 * (q.r2_k + q.r2_v))
+            .sum();
+        (n > 0 && sum.is_finite()).then(|| sum / n as f64)
+    }
+
     /// The first float field JSON cannot hold (NaN or infinity), with its dotted name.
     fn first_non_finite(&self) -> Option<(String, f64)> {
         let mut fields = vec![

@@ -732,3 +732,17 @@ fn stats_bad_inputs() {
     assert_names(&err, &out, &["fit.y_sum", "number of values"]);
     assert!(!out.exists());
 }
+
+/// The held-out error the default self-check threshold scales: `1 − R²` of K and V averaged
+/// over the layers; none for a file that measured nothing.
+#[test]
+fn heldout_error_averages_one_minus_r2_over_k_v_and_layers() {
+    let mut m = meta();
+    let e = m.heldout_error().unwrap();
+    assert!((e - 0.15).abs() < 1e-12, "{e}");
+    m.quality[0].r2_v = 0.6;
+    let want = 0.15 + 0.1 / (LAYERS - SPLIT) as f64;
+    assert!((m.heldout_error().unwrap() - want).abs() < 1e-12);
+    m.quality.clear();
+    assert_eq!(m.heldout_error(), None);
+}

@@ -174,7 +174,7 @@ pub fn load_runners(
         ridgefill::fillfile::load_ladder(first, &rows.fill_deeper, &loaded.ckpt, model)?;
     let (mut runners, summary) = prepare(model, &file, &maps, rows, list)?;
     let plain = MethodChoice {
-        max_error: None,
+        max_error: Some(f64::INFINITY),
         deeper: Vec::new(),
         ..rows.choice()
     };

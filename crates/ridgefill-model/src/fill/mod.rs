@@ -64,6 +64,13 @@ pub const DEFAULT_EXACT: f64 = 0.08;
 /// Default weight of one exact row against one calibration row in the per-prompt update.
 pub const DEFAULT_ADAPT_WEIGHT: f64 = 100.0;
 
+/// Default self-check threshold, as a multiple of the maps' held-out error (`1 − R²` on the
+/// calibration text): prompts the maps fit this much worse than their calibration text run
+/// exactly. Chosen on the fidelity suite (docs/fidelity.md): at split 15 it sends code (self-check
+/// 0.63–0.68) and RULER's all-UUID haystack (0.68–0.87) to full prefill, and keeps prose, READMEs,
+/// licences and the other RULER tasks (0.40–0.65) filled.
+pub const DEFAULT_ERROR_RATIO: f64 = 2.35;
+
 /// How a fill file's maps are applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FillMethod {
