@@ -8,7 +8,7 @@ use ridgefill::io::checkpoint::Checkpoint;
 use ridgefill::model::Decoder;
 use ridgefill::model::fill::{self, FillMaps, FillOptions, FillRows, Oracle, Prefill};
 use ridgefill::model::{Device, FloatDType, Weight, WeightFormat, to_host_f32};
-use ridgefill_testkit::fill::fill_logits;
+use ridgefill_testkit::fill::{fill_logits, gqa_model, spans_rows, stand_in_precision};
 use ridgefill_testkit::reference::{Reference, max_abs_diff_f64};
 use ridgefill_testkit::{self as testkit, prompt, tiny};
 
@@ -337,24 +337,6 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
     );
 }
 
-/// A precision matrix of the right shape (`I·1e-2`): the update's work, not a fitted one.
-fn stand_in_precision(model: &Decoder) -> Vec<f32> {
-    let f = model.config.hidden_size + 1;
-    (0..f * f)
-        .map(|i| if i % (f + 1) == 0 { 1e-2 } else { 0.0 })
-        .collect()
-}
-
-fn spans_rows(tail: usize, exact: f64, span: usize) -> FillRows {
-    FillRows {
-        sink: 1,
-        tail,
-        exact,
-        span,
-        ..FillRows::default()
-    }
-}
-
 /// The self-check: random maps err on every exact row, so a threshold of zero sends the prompt
 /// through every layer exactly — full prefill's logits and cache, chunk for chunk — while no
 /// threshold keeps the fill; the report says which happened.
@@ -472,19 +454,6 @@ fn the_exact_tail_grows_to_the_final_question() {
 }
 
 /// A random GQA model of `layers` layers for the span tests.
-fn gqa_model(layers: usize, cpu_kernels: bool) -> Decoder {
-    let config: ridgefill::io::config::ModelConfig = serde_json::from_value(serde_json::json!({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 256,
-        "max_position_embeddings": 1024, "tie_word_embeddings": true
-    }))
-    .unwrap();
-    let mut m = Decoder::random(config, &Device::flex(), FloatDType::F32, 512, 3).unwrap();
-    m.set_cpu_kernels(cpu_kernels);
-    m
-}
-
 /// When the chosen span covers every bulk row, the exact pass is full prefill, with or without
 /// the per-prompt update (every filled slot is overwritten), on both CPU code paths; decoding
 /// after it continues identically.

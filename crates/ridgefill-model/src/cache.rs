@@ -115,6 +115,11 @@ impl KvCache {
         self.lens[layer] = 0;
     }
 
+    /// Forgets `layer`'s slots from `len` on (a prefill that re-runs its newer rows).
+    pub fn truncate_layer(&mut self, layer: usize, len: usize) {
+        self.lens[layer] = self.lens[layer].min(len);
+    }
+
     /// Forgets positions from `len` on, keeping the prefix (e.g. to re-run the same decode step).
     /// Only for caches whose layers hold one slot per position (full prefill).
     pub fn truncate(&mut self, len: usize) {

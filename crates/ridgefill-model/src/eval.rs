@@ -71,6 +71,7 @@ pub fn prefill_with_spans(
                 tail: tokens.len(),
                 ..FillReport::default()
             },
+            history: None,
         }),
         Method::Fill(maps, rows) => {
             Prefill::run(model, tokens, cache, FillOptions::fill(maps, rows))

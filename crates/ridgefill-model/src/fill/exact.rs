@@ -114,11 +114,21 @@ pub(crate) fn split_fill_rope(
     (k, v)
 }
 
-/// Runs rows at positions `exact` (increasing: sink, chosen spans, tail) through the upper
-/// layers in one batch, over a cache whose upper layers hold a filled slot for every
-/// position; each exact row overwrites its slot and attends to every slot up to its own.
-/// With `maps.adapt`, each layer's maps are first updated from the exact rows at or after
-/// `sink` (their true K/V at that layer). Returns the last exact row's hidden state and the
+/// The rows an [`exact_pass`] runs, and where the cache stands.
+pub(crate) struct ExactRows<'a> {
+    /// Positions, increasing: sink, chosen spans, tail.
+    pub at: &'a [usize],
+    /// Rows before this are the attention sink, which the fit never saw.
+    pub sink: usize,
+    /// Positions the cache's upper layers held before this prefill (0: a fresh prompt).
+    pub from: usize,
+}
+
+/// Runs the rows at positions `rows.at` through the upper layers in one batch, over a cache
+/// whose upper layers hold a slot for every position: those before `rows.from` from earlier
+/// prefills, the rest filled here; each exact row overwrites its slot and attends to every
+/// slot up to its own. With `maps.adapt`, each layer's maps are first updated from the exact
+/// rows at or after `rows.sink` (their true K/V at that layer). Returns the last exact row's hidden state and the
 /// self-check: the maps' error on those rows (before any update), relative to their spread,
 /// averaged over the upper layers (`None` when no exact row is past the sink).
 ///
@@ -128,11 +138,15 @@ pub(crate) fn exact_pass(
     model: &Decoder,
     maps: &FillMaps,
     h_split: Tensor<2>,
-    exact: &[usize],
-    sink: usize,
+    rows: ExactRows<'_>,
     cache: &mut KvCache,
     oracle: Option<&Oracle>,
 ) -> Result<(Tensor<2>, Option<f64>)> {
+    let ExactRows {
+        at: exact,
+        sink,
+        from,
+    } = rows;
     let n = h_split.dims()[0];
     let layers = model.num_layers();
     let (kvh, hd) = (model.config.num_key_value_heads, model.config.head_dim());
@@ -177,16 +191,20 @@ pub(crate) fn exact_pass(
             Some(window) => {
                 // Only rows some exact row (or, past the tail, a decode step) can reach are
                 // ever read; the rest keep whatever the storage holds, masked out.
-                cache.reserve(l, n);
-                for r in window_reads(exact, window) {
+                cache.reserve(l, n - from);
+                let reads = window_reads(exact, window).into_iter();
+                for r in reads
+                    .map(|r| r.start.max(from)..r.end)
+                    .filter(|r| !r.is_empty())
+                {
                     let y = model.linear_dense(x_all.clone().narrow(0, r.start, r.len()), &w);
                     let (k, v) = split_fill(model, y, l, 1, r.len(), r.start);
                     cache.overwrite(l, r.start, k, v);
                 }
             }
             None => {
-                let y = model.linear_dense(x_all.clone(), &w);
-                append_fill(model, y, l, 1, cache, 0);
+                let y = model.linear_dense(x_all.clone().narrow(0, from, n - from), &w);
+                append_fill(model, y, l, 1, cache, from);
             }
         }
         if let Some(o) = oracle {

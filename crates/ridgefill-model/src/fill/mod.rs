@@ -3,13 +3,16 @@
 //!
 //! [`Prefill`] is the one driver (stepwise for the server, [`Prefill::run`] for the rest);
 //! [`FillOptions`] says what it fills with and which rows run exactly. The maps and the
-//! per-prompt update live here, span choice in [`spans`], the upper layers' exact pass and the
-//! cache writes in [`exact`], the diagnosis in [`oracle`].
+//! per-prompt update live here, span choice in [`spans`], the upper layers' plan in [`upper`],
+//! their exact pass and the cache writes in [`exact`], what a later prefill over the same cache
+//! needs in [`history`], the diagnosis in [`oracle`].
 
 pub mod exact;
+pub mod history;
 pub mod oracle;
 pub mod prefill;
 pub mod spans;
+pub mod upper;
 
 use std::ops::Range;
 
@@ -18,9 +21,10 @@ use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use crate::decoder::Decoder;
 use crate::error::{ModelError, Result};
 
+pub use history::FillHistory;
 pub use oracle::Oracle;
 pub use prefill::{FillOptions, FillReport, Filled, Prefill};
-pub use spans::{choose_spans, window_reads};
+pub use spans::{choose_new_spans, choose_spans, window_reads};
 
 /// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM.
 pub struct FillMaps {

@@ -5,10 +5,10 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation};
+use burn::tensor::Tensor;
 
-use super::exact::exact_pass;
-use super::{FillMaps, FillRows, Oracle, check_split, choose_spans};
+use super::upper::{RowPlan, fill_upper, scoring_layer};
+use super::{FillHistory, FillMaps, FillRows, Oracle, check_split};
 use crate::cache::KvCache;
 use crate::decoder::{Decoder, PREFILL_CHUNK};
 use crate::error::{ModelError, Result};
@@ -63,6 +63,8 @@ pub struct Filled {
     /// The bulk spans that ran exactly (chosen by the tail's attention).
     pub spans: Vec<Range<usize>>,
     pub report: FillReport,
+    /// What a later [`Prefill::resume`] over this cache starts from ([`Prefill::history`]).
+    pub history: Option<FillHistory>,
 }
 
 /// What a prefill did with one prompt: how much it filled, and its self-check. Servers and
@@ -82,14 +84,25 @@ pub struct FillReport {
     /// The split whose maps filled (a deeper one when a shallower self-check failed); `None`
     /// when nothing was filled.
     pub split: Option<usize>,
+    /// Prompt rows taken from the cache ([`Prefill::resume`]; 0 for a fresh prefill).
+    pub reused: usize,
+    /// Of those, rows an earlier prefill had filled that this one's spans ran exactly.
+    pub restored: usize,
 }
 
-/// A skip-and-fill prefill in progress, into a cache that was empty when it started.
+/// A skip-and-fill prefill in progress, into a cache that was empty when it started
+/// ([`Prefill::start`]) or holds a prefix of the prompt ([`Prefill::resume`]).
 pub struct Prefill<'a> {
     model: &'a Decoder,
     opts: FillOptions<'a>,
-    /// The prompt's embedded rows.
+    /// The embedded rows of the prompt's positions `from..`.
     h: Tensor<2>,
+    /// Positions the cache held when the prefill started.
+    from: usize,
+    /// The cache's rows `0..from`: which are exact, and what re-running the filled ones needs.
+    before: Option<FillHistory>,
+    /// The cache's rows once done (`None` for the `drop` baseline or a deeper split's fill).
+    history: Option<FillHistory>,
     /// Rows neither sink nor tail; `None` when every row runs every layer.
     bulk: Option<Range<usize>>,
     /// Rows that have run the layers below the split.
@@ -138,11 +151,77 @@ impl<'a> Prefill<'a> {
                 ..FillReport::default()
             },
             bulk,
+            from: 0,
+            before: None,
+            history: None,
             done: 0,
             tail_in: Vec::new(),
             h_split: Vec::new(),
             spans: Vec::new(),
             ends: opts.maps.map_or_else(Vec::new, |m| m.sentence_ends(tokens)),
+        })
+    }
+
+    /// Continues a prefill of `tokens` into `cache`, which holds their first `cache.len()`
+    /// positions as `before` records them (an earlier prefill's [`Prefill::history`], truncated
+    /// to the shared prefix, with decoded rows exact). The new rows run the layers below the
+    /// split; the tail's attention then ranks every filled row of the whole cache, earlier
+    /// prompts' included, and the chosen spans among those run the upper layers exactly from
+    /// their stored split input, overwriting their predicted K/V for good; the new bulk rows are
+    /// filled. A failed self-check runs the new rows exactly (earlier rows stay as they are).
+    pub fn resume(
+        model: &'a Decoder,
+        tokens: &[u32],
+        cache: &KvCache,
+        before: FillHistory,
+        opts: FillOptions<'a>,
+    ) -> Result<Self> {
+        let (from, n) = (cache.len(), tokens.len());
+        let Some(maps) = opts.maps else {
+            return Err(ModelError::Invalid(
+                "resuming a prefill needs fill maps".into(),
+            ));
+        };
+        if before.split != maps.split {
+            return Err(ModelError::Invalid(format!(
+                "the cache was filled at split {}, these maps fill at split {}",
+                before.split, maps.split
+            )));
+        }
+        if from == 0 || from >= n || before.recorded() > from {
+            return Err(ModelError::Invalid(format!(
+                "resuming a prefill of {n} tokens over a cache of {from} positions \
+                 ({} recorded): need 0 < cached < prompt",
+                before.recorded()
+            )));
+        }
+        check_split(model, opts.split)?;
+        let rows = opts.rows.for_prompt(tokens, &maps.breaks);
+        let opts = FillOptions { rows, ..opts };
+        // The tail is new rows only: earlier rows have run their layers already.
+        let tail0 = n.saturating_sub(rows.tail).max(from);
+        let sink = rows.sink.min(from);
+        let fillable = tail0 > from || before.filled(from) > 0;
+        let bulk = (fillable && sink < tail0).then_some(sink..tail0);
+        Ok(Self {
+            model,
+            opts,
+            h: model.embed(&tokens[from..])?,
+            report: FillReport {
+                prompt: n,
+                tail: n - tail0,
+                reused: from,
+                ..FillReport::default()
+            },
+            bulk,
+            from,
+            before: Some(before),
+            history: None,
+            done: from,
+            tail_in: Vec::new(),
+            h_split: Vec::new(),
+            spans: Vec::new(),
+            ends: maps.sentence_ends(tokens),
         })
     }
 
@@ -157,13 +236,21 @@ impl<'a> Prefill<'a> {
         cache: &mut KvCache,
         opts: FillOptions<'a>,
     ) -> Result<Filled> {
-        let mut p = Self::start(model, tokens, cache, opts)?;
+        Self::start(model, tokens, cache, opts)?.finish(cache)
+    }
+
+    /// [`Prefill::step`] until the prompt is done.
+    ///
+    /// # Shapes
+    /// - → logits `[vocab]`
+    pub fn finish(mut self, cache: &mut KvCache) -> Result<Filled> {
         loop {
-            if let Some(logits) = p.step(cache)? {
+            if let Some(logits) = self.step(cache)? {
                 return Ok(Filled {
                     logits,
-                    spans: p.spans,
-                    report: p.report,
+                    spans: self.spans,
+                    report: self.report,
+                    history: self.history,
                 });
             }
         }
@@ -184,6 +271,18 @@ impl<'a> Prefill<'a> {
         self.report
     }
 
+    /// Which of the cache's rows are exact and what re-running the filled ones needs, once the
+    /// prefill is done: what a later [`Prefill::resume`] over this cache starts from. `None`
+    /// for the `drop` baseline, or when a deeper split's maps filled.
+    pub fn history(&self) -> Option<&FillHistory> {
+        self.history.as_ref()
+    }
+
+    /// [`Prefill::history`], taken.
+    pub fn take_history(&mut self) -> Option<FillHistory> {
+        self.history.take()
+    }
+
     /// Runs the next [`PREFILL_CHUNK`] rows through the layers below the split (every layer
     /// when nothing skips); the step after the last chunk runs the upper layers. Returns the
     /// last-position logits once the prompt is done.
@@ -192,11 +291,11 @@ impl<'a> Prefill<'a> {
     /// - → `None` until the last step, then `[vocab]`
     pub fn step(&mut self, cache: &mut KvCache) -> Result<Option<Tensor<1>>> {
         let model = self.model;
-        let n = self.h.dims()[0];
+        let n = self.from + self.h.dims()[0];
         let (split, layers) = (self.opts.split, model.num_layers());
         if self.done < n {
             let (r0, r1) = (self.done, (self.done + PREFILL_CHUNK).min(n));
-            let h = self.h.clone().narrow(0, r0, r1 - r0);
+            let h = self.h.clone().narrow(0, r0 - self.from, r1 - r0);
             self.done = r1;
             match (&self.bulk, self.opts.maps) {
                 (None, _) => {
@@ -204,6 +303,11 @@ impl<'a> Prefill<'a> {
                     if r1 < n {
                         return Ok(None);
                     }
+                    self.history = match (self.before.take(), self.opts.maps) {
+                        (Some(before), _) => Some(before),
+                        (None, Some(maps)) => Some(FillHistory::exact(maps.split, n)),
+                        (None, None) => None,
+                    };
                     cache.set_len(n);
                     return Ok(Some(self.logits(h.narrow(0, r1 - r0 - 1, 1))));
                 }
@@ -230,7 +334,15 @@ impl<'a> Prefill<'a> {
                 "prefill step after the prompt was done".into(),
             ));
         };
-        let h_split = Tensor::cat(std::mem::take(&mut self.h_split), 0);
+        let mut h_split = Tensor::cat(std::mem::take(&mut self.h_split), 0);
+        let before = self.before.take();
+        let done = before
+            .as_ref()
+            .map_or_else(Vec::new, |b| b.exact_mask(self.from));
+        if let Some(b) = &before {
+            let old = b.h_split(self.from, model.config.hidden_size, &h_split);
+            h_split = Tensor::cat(vec![old, h_split], 0);
+        }
         let h_last = match self.opts.maps {
             Some(maps) => {
                 let tail_in = Tensor::cat(std::mem::take(&mut self.tail_in), 0);
@@ -240,18 +352,41 @@ impl<'a> Prefill<'a> {
                     RowPlan {
                         rows: self.opts.rows,
                         ends: &self.ends,
+                        bulk: bulk.clone(),
+                        from: self.from,
+                        done: &done,
                     },
                     tail_in,
-                    h_split,
+                    h_split.clone(),
                     cache,
                     self.opts.oracle,
                 )?;
                 self.report.error = upper.error;
                 self.report.fell_back = upper.split.is_none();
                 self.report.split = upper.split;
-                if upper.split.is_some() {
-                    let spanned: usize = upper.spans.iter().map(|s| s.len()).sum();
-                    self.report.filled = bulk.len() - spanned;
+                // Per position, whether its upper-layer K/V are now exact.
+                let mut exact: Vec<bool> = (0..n)
+                    .map(|i| done.get(i).copied().unwrap_or(!bulk.contains(&i)))
+                    .collect();
+                self.report.restored = upper
+                    .spans
+                    .iter()
+                    .flat_map(|s| s.clone())
+                    .filter(|&i| i < self.from)
+                    .count();
+                upper
+                    .spans
+                    .iter()
+                    .flat_map(|s| s.clone())
+                    .for_each(|i| exact[i] = true);
+                match upper.split {
+                    None => exact[self.from..].iter_mut().for_each(|e| *e = true),
+                    Some(_) => {
+                        self.report.filled = exact[self.from..].iter().filter(|e| !**e).count()
+                    }
+                }
+                if upper.split.is_none_or(|s| s == maps.split) {
+                    self.history = Some(FillHistory::new(maps.split, h_split, exact));
                 }
                 self.spans = upper.spans;
                 upper.h_last
@@ -278,198 +413,4 @@ impl<'a> Prefill<'a> {
         let vocab = self.model.config.vocab_size;
         self.model.head(h_last).reshape([vocab])
     }
-}
-
-/// The layer whose attention chooses the spans runs apart, so its input is kept: the last
-/// full-attention layer below the split (a sliding one sees only the last `window` rows, so
-/// it could never point further back).
-pub(crate) fn scoring_layer(model: &Decoder, split: usize) -> usize {
-    (0..split)
-        .rev()
-        .find(|&l| model.layers[l].window.is_none())
-        .unwrap_or(split - 1)
-}
-
-/// Which rows of this prompt run exactly, and where its sentences end (spans run on to them).
-#[derive(Clone, Copy)]
-pub(crate) struct RowPlan<'a> {
-    pub rows: FillRows,
-    /// Per prompt row, whether it ends a sentence (empty: unknown).
-    pub ends: &'a [bool],
-}
-
-/// What [`fill_upper`] did.
-pub(crate) struct Upper {
-    /// The last row entering the head, `[1, hidden]`.
-    pub h_last: Tensor<2>,
-    pub spans: Vec<Range<usize>>,
-    /// The self-check of the last split tried.
-    pub error: Option<f64>,
-    /// The split whose maps filled; `None`: every row ran every layer.
-    pub split: Option<usize>,
-}
-
-/// Everything of a fill prefill after the layers below the split: the spans the tail rows'
-/// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
-/// layers' exact pass and fill. When the exact rows show the maps' error above
-/// `rows.max_error`, the bulk runs exactly up to `maps.deeper`'s split and that fill is tried
-/// the same way; with no deeper maps left, the upper layers run with every row exact.
-///
-/// # Shapes
-/// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → h_last `[1, hidden]`
-pub(crate) fn fill_upper(
-    model: &Decoder,
-    maps: &FillMaps,
-    plan: RowPlan<'_>,
-    tail_in: Tensor<2>,
-    h_split: Tensor<2>,
-    cache: &mut KvCache,
-    oracle: Option<&Oracle>,
-) -> Result<Upper> {
-    let RowPlan { rows, ends } = plan;
-    let n = h_split.dims()[0];
-    let bulk = rows
-        .bulk(n)
-        .ok_or_else(|| ModelError::Invalid("fill_upper: the prompt has no bulk".into()))?;
-    let scored = scoring_layer(model, maps.split);
-    let spans = if rows.span_count(n) > 0 {
-        let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
-        let budget = rows.exact_rows(n);
-        choose_spans(
-            &scores,
-            bulk.clone(),
-            budget,
-            rows.span,
-            ends,
-            rows.sentence_reach,
-        )
-    } else {
-        Vec::new()
-    };
-    let exact: Vec<usize> = (0..bulk.start)
-        .chain(spans.iter().cloned().flatten())
-        .chain(bulk.end..n)
-        .collect();
-    let (h_last, error) = exact_pass(
-        model,
-        maps,
-        h_split.clone(),
-        &exact,
-        bulk.start,
-        cache,
-        oracle,
-    )?;
-    if !error.is_some_and(|e| e > rows.max_error) {
-        return Ok(Upper {
-            h_last,
-            spans,
-            error,
-            split: Some(maps.split),
-        });
-    }
-    // The exact rows' pass is all this prompt wasted; the layers below the split stand.
-    let layers = model.num_layers();
-    (maps.split..layers).for_each(|l| cache.clear_layer(l));
-    let Some(deeper) = maps.deeper.as_deref() else {
-        let h = run_exact(model, h_split, maps.split..layers, cache)?;
-        return Ok(Upper {
-            h_last: h.narrow(0, n - 1, 1),
-            spans: Vec::new(),
-            error,
-            split: None,
-        });
-    };
-    // Every row runs exactly up to the deeper split; its scoring layer's tail input is kept
-    // on the way (or is the one already at hand when that layer lies below this split).
-    let deep_scored = scoring_layer(model, deeper.split);
-    let (tail_in, h) = if deep_scored >= maps.split {
-        let h = run_exact(model, h_split, maps.split..deep_scored, cache)?;
-        (h.clone().narrow(0, bulk.end, n - bulk.end), h)
-    } else {
-        (tail_in, h_split)
-    };
-    let from = deep_scored.max(maps.split);
-    let h_deeper = run_exact(model, h, from..deeper.split, cache)?;
-    fill_upper(model, deeper, plan, tail_in, h_deeper, cache, oracle)
-}
-
-/// Every row of `h` (entering `layers.start`, positions `0..`) through `layers` exactly, chunk
-/// by chunk as full prefill runs them, so the result is full prefill's to the last bit.
-///
-/// # Shapes
-/// - h: `[n, hidden]` → `[n, hidden]`
-fn run_exact(
-    model: &Decoder,
-    h: Tensor<2>,
-    layers: Range<usize>,
-    cache: &mut KvCache,
-) -> Result<Tensor<2>> {
-    if layers.is_empty() {
-        return Ok(h);
-    }
-    let n = h.dims()[0];
-    let mut out = Vec::with_capacity(n.div_ceil(PREFILL_CHUNK));
-    for r0 in (0..n).step_by(PREFILL_CHUNK) {
-        let m = PREFILL_CHUNK.min(n - r0);
-        let rows = h.clone().narrow(0, r0, m);
-        out.push(model.forward_layers(rows, layers.clone(), cache, r0)?);
-    }
-    Ok(Tensor::cat(out, 0))
-}
-
-/// Attention the `tail` rows (at positions `tail0..`) give every cached position of layer
-/// `l`, summed over heads and tail rows: the query's own choice of the rows that matter.
-///
-/// # Shapes
-/// - tail: `[t, hidden]` entering layer `l` → `[tail0 + t]` on the host
-pub fn tail_scores(
-    model: &Decoder,
-    l: usize,
-    tail: Tensor<2>,
-    cache: &KvCache,
-    tail0: usize,
-) -> Result<Vec<f32>> {
-    let cfg = &model.config;
-    let (heads, kvh, hd) = (
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim(),
-    );
-    let t = tail.dims()[0];
-    let q = model.qkv(l, tail).narrow(1, 0, heads * hd);
-    let q = model.rope_of(l).apply(model.split_heads(q, heads), tail0);
-    let (k, _) = cache.read(l);
-    let keys = k.dims()[2];
-    let group = heads / kvh;
-    let k = k
-        .unsqueeze_dim::<5>(2)
-        .expand([1, kvh, group, keys, hd])
-        .reshape([1, heads, keys, hd]);
-    let logits = q
-        .matmul(k.swap_dims(2, 3))
-        .mul_scalar(cfg.attention_scale())
-        .cast(FloatDType::F32);
-    let logits = match cfg.attn_logit_softcapping {
-        Some(cap) => crate::decoder::attention::softcap(logits, cap),
-        None => logits,
-    };
-    // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i (the last `window` of them
-    // on a sliding-window layer).
-    let window = model.layers[l].window.unwrap_or(usize::MAX);
-    let bits: Vec<bool> = (0..t)
-        .flat_map(|i| {
-            let lo = (tail0 + i + 1).saturating_sub(window);
-            (0..keys).map(move |j| j > tail0 + i || j < lo)
-        })
-        .collect();
-    let mask = Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, t, keys]), &model.device)
-        .expand([1, heads, t, keys]);
-    let p = activation::softmax(logits.mask_fill(mask, f32::NEG_INFINITY), 3);
-    let s = crate::to_host_f32(p.sum_dim(1).sum_dim(2).reshape([keys]));
-    if let Some(i) = s.iter().position(|x| !x.is_finite()) {
-        return Err(ModelError::Invalid(format!(
-            "non-finite attention score at position {i} in layer {l}"
-        )));
-    }
-    Ok(s)
 }

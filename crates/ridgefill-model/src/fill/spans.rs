@@ -20,10 +20,28 @@ pub fn choose_spans(
     ends: &[bool],
     reach: usize,
 ) -> Vec<Range<usize>> {
-    let budget = budget.min(bulk.len());
+    choose_new_spans(scores, bulk, &[], budget, radius, ends, reach)
+}
+
+/// [`choose_spans`] over a bulk some of whose rows are exact already (`exact`, one flag per
+/// position from 0; empty: none, as in a fresh prompt): those rows cost nothing, a window wholly
+/// inside them is passed over, and only the rows still filled are returned (a later prefill
+/// over a cache whose earlier prompts were filled).
+pub fn choose_new_spans(
+    scores: &[f32],
+    bulk: Range<usize>,
+    exact: &[bool],
+    budget: usize,
+    radius: usize,
+    ends: &[bool],
+    reach: usize,
+) -> Vec<Range<usize>> {
+    let is_exact = |i: usize| exact.get(i).copied().unwrap_or(false);
+    let filled = bulk.clone().filter(|&i| !is_exact(i)).count();
+    let budget = budget.min(filled);
     let mut order: Vec<usize> = bulk.clone().collect();
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-    let mut chosen = vec![false; bulk.len()];
+    let mut chosen: Vec<bool> = bulk.clone().map(is_exact).collect();
     let mut used = 0;
     for p in order {
         if used == budget {
@@ -44,7 +62,7 @@ pub fn choose_spans(
     let runs = chosen
         .iter()
         .enumerate()
-        .filter(|(_, c)| **c)
+        .filter(|&(i, c)| *c && !is_exact(bulk.start + i))
         .map(|(i, _)| bulk.start + i..bulk.start + i + 1)
         .collect();
     merge(runs)
@@ -152,6 +170,22 @@ mod tests {
         );
         let rows: usize = spans.iter().map(|s| s.len()).sum();
         assert!(rows <= 5 * 17, "{rows} rows");
+    }
+
+    #[test]
+    fn rows_already_exact_cost_nothing_and_are_not_returned() {
+        let mut scores = vec![0.0f32; 100];
+        scores[20] = 9.0; // inside rows an earlier prefill ran exactly
+        scores[60] = 8.0;
+        let mut exact = vec![false; 100];
+        (18..30).for_each(|i| exact[i] = true);
+        // Radius 4: 19..28 lies inside the exact rows; 59..68 costs its 9 rows.
+        let spans = choose_new_spans(&scores, 1..96, &exact, 9, 4, &[], 0);
+        assert_eq!(spans, vec![59..68]);
+        // A window half inside them pays for, and returns, only its filled rows.
+        scores[27] = 10.0;
+        let spans = choose_new_spans(&scores, 1..96, &exact, 5, 4, &[], 0);
+        assert_eq!(spans, vec![30..35]);
     }
 
     #[test]

@@ -1,0 +1,105 @@
+//! What a cache's filled rows need to become exact later: per position, whether its upper-layer
+//! K/V are exact, and for the prompt rows the hidden state entering the split. A later prefill
+//! over the same cache ([`Prefill::resume`](super::Prefill::resume)) runs the rows its question
+//! points at through the upper layers from that state, overwriting their predicted K/V, so a
+//! fact filled in one chat turn is read exactly when a later turn asks for it.
+//!
+//! Stored per prompt row: `hidden` activations (576 floats for SmolLM2-135M, against its
+//! `2 · 30 · 192` floats of K/V: 5%). Rows past the stored ones (decoded tokens) ran every layer.
+
+use burn::tensor::Tensor;
+
+/// Which rows of a cache hold filled upper-layer K/V, and what re-running them needs.
+#[derive(Clone)]
+pub struct FillHistory {
+    /// First layer whose K/V were filled.
+    pub split: usize,
+    /// Rows entering `split`, `[stored, hidden]`, for positions `0..stored`; `None`: none kept.
+    h_split: Option<Tensor<2>>,
+    /// Per position `0..exact.len()`, whether its upper-layer K/V are exact; positions past it
+    /// (decoded tokens) are exact.
+    exact: Vec<bool>,
+}
+
+impl FillHistory {
+    /// A history of `n` positions, `exact` per position, with `h_split` the rows entering the
+    /// split (`[n, hidden]`).
+    pub fn new(split: usize, h_split: Tensor<2>, exact: Vec<bool>) -> Self {
+        debug_assert_eq!(h_split.dims()[0], exact.len());
+        Self {
+            split,
+            h_split: Some(h_split),
+            exact,
+        }
+    }
+
+    /// A history of `n` positions all exact (a prompt too short to fill).
+    pub fn exact(split: usize, n: usize) -> Self {
+        Self {
+            split,
+            h_split: None,
+            exact: vec![true; n],
+        }
+    }
+
+    /// Positions whose exactness is recorded (later ones are exact).
+    pub fn recorded(&self) -> usize {
+        self.exact.len()
+    }
+
+    /// Rows among the first `len` whose upper-layer K/V are predictions.
+    pub fn filled(&self, len: usize) -> usize {
+        self.exact.iter().take(len).filter(|e| !**e).count()
+    }
+
+    /// Whether every upper-layer row among the first `len` positions is exact.
+    pub fn exact_upto(&self, len: usize) -> bool {
+        self.filled(len) == 0
+    }
+
+    /// Per position `0..len`, whether its upper-layer K/V are exact.
+    pub fn exact_mask(&self, len: usize) -> Vec<bool> {
+        (0..len)
+            .map(|i| self.exact.get(i).copied().unwrap_or(true))
+            .collect()
+    }
+
+    /// Forgets positions from `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.exact.truncate(len);
+        if let Some(h) = self.h_split.take() {
+            let rows = h.dims()[0].min(len);
+            self.h_split = (rows > 0).then(|| h.narrow(0, 0, rows));
+        }
+    }
+
+    /// The rows entering the split for positions `0..len` (`[len, hidden]`); positions with no
+    /// stored row (exact ones, never re-run) are zeros.
+    ///
+    /// # Shapes
+    /// - → `[len, hidden]`
+    pub(crate) fn h_split(&self, len: usize, hidden: usize, like: &Tensor<2>) -> Tensor<2> {
+        let stored = self.h_split.as_ref().map_or(0, |h| h.dims()[0].min(len));
+        let mut parts = Vec::with_capacity(2);
+        if let Some(h) = &self.h_split
+            && stored > 0
+        {
+            parts.push(h.clone().narrow(0, 0, stored));
+        }
+        if len > stored {
+            debug_assert_eq!(like.dims()[1], hidden);
+            let zero = like.clone().narrow(0, 0, 1).zeros_like();
+            parts.push(zero.repeat_dim(0, len - stored));
+        }
+        Tensor::cat(parts, 0)
+    }
+
+    /// Bytes this history holds (its stored rows as f32 and one flag per position).
+    pub fn bytes(&self) -> usize {
+        let rows = self
+            .h_split
+            .as_ref()
+            .map_or(0, |h| h.dims()[0] * h.dims()[1]);
+        rows * std::mem::size_of::<f32>() + self.exact.len()
+    }
+}

@@ -1,0 +1,225 @@
+//! The upper layers of a skip-and-fill prefill, once every row has run the layers below the
+//! split: the tail's attention chooses the spans ([`tail_scores`]), the exact rows run and the
+//! rest are filled ([`super::exact`]), and a failed self-check runs them exactly after all.
+
+use std::ops::Range;
+
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation};
+
+use super::exact::{ExactRows, exact_pass};
+use super::{FillMaps, FillRows, Oracle, choose_new_spans};
+use crate::cache::KvCache;
+use crate::decoder::{Decoder, PREFILL_CHUNK};
+use crate::error::{ModelError, Result};
+
+/// The layer whose attention chooses the spans runs apart, so its input is kept: the last
+/// full-attention layer below the split (a sliding one sees only the last `window` rows, so
+/// it could never point further back).
+pub(crate) fn scoring_layer(model: &Decoder, split: usize) -> usize {
+    (0..split)
+        .rev()
+        .find(|&l| model.layers[l].window.is_none())
+        .unwrap_or(split - 1)
+}
+
+/// Which rows of this prompt run exactly, and where its sentences end (spans run on to them).
+#[derive(Clone)]
+pub(crate) struct RowPlan<'a> {
+    pub rows: FillRows,
+    /// Per prompt row, whether it ends a sentence (empty: unknown).
+    pub ends: &'a [bool],
+    /// Rows neither sink nor tail: where spans are chosen and (from `from` on) rows filled.
+    pub bulk: Range<usize>,
+    /// Positions the cache held before this prefill (0: a fresh prompt).
+    pub from: usize,
+    /// Per position `0..from`, whether its upper-layer K/V are exact already.
+    pub done: &'a [bool],
+}
+
+/// What [`fill_upper`] did.
+pub(crate) struct Upper {
+    /// The last row entering the head, `[1, hidden]`.
+    pub h_last: Tensor<2>,
+    pub spans: Vec<Range<usize>>,
+    /// The self-check of the last split tried.
+    pub error: Option<f64>,
+    /// The split whose maps filled; `None`: every row ran every layer.
+    pub split: Option<usize>,
+}
+
+/// Everything of a fill prefill after the layers below the split: the spans the tail rows'
+/// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
+/// layers' exact pass and fill. When the exact rows show the maps' error above
+/// `rows.max_error`, the bulk runs exactly up to `maps.deeper`'s split and that fill is tried
+/// the same way; with no deeper maps left, the upper layers run with every row exact.
+///
+/// # Shapes
+/// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → h_last `[1, hidden]`
+pub(crate) fn fill_upper(
+    model: &Decoder,
+    maps: &FillMaps,
+    plan: RowPlan<'_>,
+    tail_in: Tensor<2>,
+    h_split: Tensor<2>,
+    cache: &mut KvCache,
+    oracle: Option<&Oracle>,
+) -> Result<Upper> {
+    let RowPlan {
+        rows,
+        ends,
+        ref bulk,
+        from,
+        done,
+    } = plan;
+    let n = h_split.dims()[0];
+    let scored = scoring_layer(model, maps.split);
+    // A later prefill spends the budget of its new rows, wherever its question points.
+    let new = n - from;
+    let spans = if rows.span_count(new) > 0 {
+        let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
+        let budget = if from == 0 {
+            rows.exact_rows(n)
+        } else {
+            rows.span_count(new) * (2 * rows.span + 1)
+        };
+        choose_new_spans(
+            &scores,
+            bulk.clone(),
+            done,
+            budget,
+            rows.span,
+            ends,
+            rows.sentence_reach,
+        )
+    } else {
+        Vec::new()
+    };
+    // The sink and earlier rows are in the cache already; a fresh prompt runs its sink here.
+    let exact: Vec<usize> = (from.min(bulk.start)..bulk.start)
+        .chain(spans.iter().cloned().flatten())
+        .chain(bulk.end..n)
+        .collect();
+    let at = ExactRows {
+        at: &exact,
+        sink: bulk.start,
+        from,
+    };
+    let (h_last, error) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
+    if !error.is_some_and(|e| e > rows.max_error) {
+        return Ok(Upper {
+            h_last,
+            spans,
+            error,
+            split: Some(maps.split),
+        });
+    }
+    // The exact rows' pass is all this prompt wasted; the layers below the split stand, and so
+    // do the earlier rows (those its spans ran exactly are the better for it).
+    let layers = model.num_layers();
+    (maps.split..layers).for_each(|l| cache.truncate_layer(l, from));
+    let deeper = maps.deeper.as_deref().filter(|_| from == 0);
+    let Some(deeper) = deeper else {
+        let new_rows = h_split.narrow(0, from, n - from);
+        let h = run_exact(model, new_rows, maps.split..layers, cache, from)?;
+        return Ok(Upper {
+            h_last: h.narrow(0, n - from - 1, 1),
+            spans: spans.into_iter().filter(|s| s.end <= from).collect(),
+            error,
+            split: None,
+        });
+    };
+    // Every row runs exactly up to the deeper split; its scoring layer's tail input is kept
+    // on the way (or is the one already at hand when that layer lies below this split).
+    let deep_scored = scoring_layer(model, deeper.split);
+    let (tail_in, h) = if deep_scored >= maps.split {
+        let h = run_exact(model, h_split, maps.split..deep_scored, cache, 0)?;
+        (h.clone().narrow(0, bulk.end, n - bulk.end), h)
+    } else {
+        (tail_in, h_split)
+    };
+    let lowest = deep_scored.max(maps.split);
+    let h_deeper = run_exact(model, h, lowest..deeper.split, cache, 0)?;
+    fill_upper(model, deeper, plan, tail_in, h_deeper, cache, oracle)
+}
+
+/// Every row of `h` (entering `layers.start`, positions `pos..`) through `layers` exactly,
+/// chunk by chunk as full prefill runs them, so the result is full prefill's to the last bit.
+///
+/// # Shapes
+/// - h: `[n, hidden]` → `[n, hidden]`
+fn run_exact(
+    model: &Decoder,
+    h: Tensor<2>,
+    layers: Range<usize>,
+    cache: &mut KvCache,
+    pos: usize,
+) -> Result<Tensor<2>> {
+    if layers.is_empty() {
+        return Ok(h);
+    }
+    let n = h.dims()[0];
+    let mut out = Vec::with_capacity(n.div_ceil(PREFILL_CHUNK));
+    for r0 in (0..n).step_by(PREFILL_CHUNK) {
+        let m = PREFILL_CHUNK.min(n - r0);
+        let rows = h.clone().narrow(0, r0, m);
+        out.push(model.forward_layers(rows, layers.clone(), cache, pos + r0)?);
+    }
+    Ok(Tensor::cat(out, 0))
+}
+
+/// Attention the `tail` rows (at positions `tail0..`) give every cached position of layer
+/// `l`, summed over heads and tail rows: the query's own choice of the rows that matter.
+///
+/// # Shapes
+/// - tail: `[t, hidden]` entering layer `l` → `[tail0 + t]` on the host
+pub fn tail_scores(
+    model: &Decoder,
+    l: usize,
+    tail: Tensor<2>,
+    cache: &KvCache,
+    tail0: usize,
+) -> Result<Vec<f32>> {
+    let cfg = &model.config;
+    let (heads, kvh, hd) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim(),
+    );
+    let t = tail.dims()[0];
+    let q = model.qkv(l, tail).narrow(1, 0, heads * hd);
+    let q = model.rope_of(l).apply(model.split_heads(q, heads), tail0);
+    let (k, _) = cache.read(l);
+    let keys = k.dims()[2];
+    let group = heads / kvh;
+    let k = k
+        .unsqueeze_dim::<5>(2)
+        .expand([1, kvh, group, keys, hd])
+        .reshape([1, heads, keys, hd]);
+    let logits = q
+        .matmul(k.swap_dims(2, 3))
+        .mul_scalar(cfg.attention_scale())
+        .cast(FloatDType::F32);
+    let logits = match cfg.attn_logit_softcapping {
+        Some(cap) => crate::decoder::attention::softcap(logits, cap),
+        None => logits,
+    };
+    // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i (the last `window` of them
+    // on a sliding-window layer).
+    let window = model.layers[l].window.unwrap_or(usize::MAX);
+    let bits: Vec<bool> = (0..t)
+        .flat_map(|i| {
+            let lo = (tail0 + i + 1).saturating_sub(window);
+            (0..keys).map(move |j| j > tail0 + i || j < lo)
+        })
+        .collect();
+    let mask = Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, t, keys]), &model.device)
+        .expand([1, heads, t, keys]);
+    let p = activation::softmax(logits.mask_fill(mask, f32::NEG_INFINITY), 3);
+    let s = crate::to_host_f32(p.sum_dim(1).sum_dim(2).reshape([keys]));
+    if let Some(i) = s.iter().position(|x| !x.is_finite()) {
+        return Err(ModelError::Invalid(format!(
+            "non-finite attention score at position {i} in layer {l}"
+        )));
+    }
+    Ok(s)
+}

@@ -1,0 +1,164 @@
+//! Skip-and-fill over a cache that holds an earlier prefill ([`Prefill::resume`]): the new rows
+//! land at their own positions, and the spans a later question chooses in rows an earlier
+//! prefill filled run exactly and replace the predictions in the cache.
+
+mod common;
+
+use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
+use ridgefill::model::{Decoder, KvCache, to_host_f32};
+use ridgefill_testkit::fill::{gqa_model, random_maps, spans_rows};
+use ridgefill_testkit::{prompt, tiny};
+
+/// First prompt, decoded tokens after it, and the rows a later turn adds (past a prefill chunk,
+/// so both sides run their new rows in more than one chunk).
+const FIRST: usize = 150;
+const DECODED: usize = 3;
+const LATER: usize = ridgefill::model::decoder::PREFILL_CHUNK + 30;
+const N: usize = FIRST + DECODED + LATER;
+
+fn maps_at(model: &Decoder, split: usize, seed: u64) -> FillMaps {
+    let mut rng = tiny::Rng::new(seed);
+    random_maps(model, split, || rng.next_f32())
+}
+
+/// The first turn filled with `first_rows`, three decoded tokens, then the later turn resumed
+/// with `later_rows`; returns the later turn's logits, its report and the cache.
+fn two_turns(
+    model: &Decoder,
+    ids: &[u32],
+    maps: &FillMaps,
+    first_rows: FillRows,
+    later_rows: FillRows,
+) -> (Vec<f32>, ridgefill::model::fill::FillReport, KvCache) {
+    let mut cache = model.new_cache(N + 1);
+    let first = Prefill::run(
+        model,
+        &ids[..FIRST],
+        &mut cache,
+        FillOptions::fill(maps, first_rows),
+    )
+    .unwrap();
+    assert!(first.report.filled > 0, "{:?}", first.report);
+    for &t in &ids[FIRST..FIRST + DECODED] {
+        model.decode_step(t, &mut cache).unwrap();
+    }
+    let history = first.history.expect("a filled prompt leaves its history");
+    let later = Prefill::resume(
+        model,
+        &ids[..N],
+        &cache,
+        history,
+        FillOptions::fill(maps, later_rows),
+    )
+    .unwrap()
+    .finish(&mut cache)
+    .unwrap();
+    (to_host_f32(later.logits), later.report, cache)
+}
+
+/// With maps that predict the one upper layer exactly (its own K/V projection), a resumed fill
+/// is full prefill: the new rows' filled keys are rotated at their own positions, after the
+/// cached prompt and the decoded tokens; decoding after it continues identically.
+#[test]
+fn a_resumed_fill_with_exact_maps_equals_full_prefill() {
+    common::init();
+    let model = gqa_model(4, true);
+    let ids = prompt(N + 1, model.config.vocab_size);
+    let mut full_cache = model.new_cache(N + 1);
+    let full = to_host_f32(model.prefill(&ids[..N], &mut full_cache).unwrap());
+    let full_next = to_host_f32(model.decode_step(ids[N], &mut full_cache).unwrap());
+    let maps = FillMaps::own_proj(&model, 3).unwrap();
+    let rows = spans_rows(4, 0.1, 4);
+    let (got, report, mut cache) = two_turns(&model, &ids, &maps, rows, rows);
+    assert_eq!(report.reused, FIRST + DECODED);
+    assert!(report.filled > 0 && !report.fell_back, "{report:?}");
+    let d = common::max_abs_diff(&full, &got);
+    assert!(d < 1e-4, "resumed fill vs full prefill max |Δ| {d}");
+    let next = to_host_f32(model.decode_step(ids[N], &mut cache).unwrap());
+    let d = common::max_abs_diff(&full_next, &next);
+    assert!(d < 1e-4, "decode after it max |Δ| {d}");
+}
+
+/// K/V of `layer` at positions `rows`, on the host.
+fn kv_rows(cache: &KvCache, layer: usize, rows: std::ops::Range<usize>) -> Vec<f32> {
+    let (k, v) = cache.read(layer);
+    let (k, v) = (
+        k.narrow(2, rows.start, rows.len()),
+        v.narrow(2, rows.start, rows.len()),
+    );
+    [
+        to_host_f32(k.flatten::<1>(0, 3)),
+        to_host_f32(v.flatten::<1>(0, 3)),
+    ]
+    .concat()
+}
+
+/// Random maps at split 2 fill the first prompt's bulk wrongly. A later turn whose spans may
+/// cover every filled row runs them from their stored split input: the first upper layer (whose
+/// K/V depend on that input alone) then holds full prefill's K/V for the whole first prompt,
+/// and the report counts the restored rows. With no span budget they keep the predictions.
+#[test]
+fn a_later_prefill_restores_the_earlier_rows_its_spans_choose() {
+    common::init();
+    let model = gqa_model(4, true);
+    let ids = prompt(N, model.config.vocab_size);
+    let mut full_cache = model.new_cache(N);
+    model.prefill(&ids, &mut full_cache).unwrap();
+    let maps = maps_at(&model, 2, 31);
+    let first = spans_rows(4, 0.0, 4);
+    let bulk = first.bulk(FIRST).unwrap();
+
+    let everything = spans_rows(4, 1.0, N);
+    let (_, report, cache) = two_turns(&model, &ids, &maps, first, everything);
+    assert_eq!(report.restored, bulk.len(), "{report:?}");
+    let d = common::max_abs_diff(&kv_rows(&full_cache, 2, 0..N), &kv_rows(&cache, 2, 0..N));
+    assert!(d < 1e-4, "restored layer-2 K/V vs full prefill max |Δ| {d}");
+
+    let nothing = spans_rows(4, 0.0, 4);
+    let (_, report, cache) = two_turns(&model, &ids, &maps, first, nothing);
+    assert_eq!(report.restored, 0, "{report:?}");
+    let d = common::max_abs_diff(
+        &kv_rows(&full_cache, 2, bulk.clone()),
+        &kv_rows(&cache, 2, bulk),
+    );
+    assert!(
+        d > 1e-2,
+        "unrestored rows kept full prefill's K/V (max |Δ| {d})"
+    );
+}
+
+/// A history from maps at another split, or an empty cache, is refused with what is wrong.
+#[test]
+fn resuming_refuses_another_split_and_an_empty_cache() {
+    common::init();
+    let model = gqa_model(4, true);
+    let ids = prompt(N, model.config.vocab_size);
+    let (at2, at3) = (maps_at(&model, 2, 41), maps_at(&model, 3, 43));
+    let rows = spans_rows(4, 0.1, 4);
+    let mut cache = model.new_cache(N);
+    let first = Prefill::run(
+        &model,
+        &ids[..FIRST],
+        &mut cache,
+        FillOptions::fill(&at2, rows),
+    )
+    .unwrap();
+    let history = first.history.unwrap();
+    let err = Prefill::resume(
+        &model,
+        &ids,
+        &cache,
+        history.clone(),
+        FillOptions::fill(&at3, rows),
+    )
+    .err()
+    .expect("another split is refused")
+    .to_string();
+    assert!(err.contains("split 2") && err.contains("split 3"), "{err}");
+    let empty = model.new_cache(N);
+    let err = Prefill::resume(&model, &ids, &empty, history, FillOptions::fill(&at2, rows))
+        .err()
+        .expect("an empty cache is refused")
+        .to_string();
+    assert!(err.contains("cache of 0 positions"), "{err}");
+}
