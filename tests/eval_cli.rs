@@ -416,3 +416,64 @@ fn eval_ruler_scores_every_task_and_method() {
     assert!(!ok);
     assert!(stderr.contains("--oracle"), "{stderr}");
 }
+
+/// `--task passkey-turns` on the tiny model: full and fill, each cold and turn by turn over
+/// the cache; reuse takes most of the last turn from the cache, and full prefill with reuse
+/// answers exactly as cold full prefill does.
+#[test]
+fn eval_passkey_turns_compares_cold_and_reused_prefills() {
+    let s = setup();
+    let mut config = tiny::config_json();
+    config["max_position_embeddings"] = RULER_CONTEXT.into();
+    std::fs::write(Path::new(&s.model).join("config.json"), config.to_string()).unwrap();
+    // One sentence a line: the document's and the second turn's passage's units.
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = (0..300).map(|i| tiny::words(8, 100 + i) + " .").collect();
+    std::fs::write(dir.path().join("prose.txt"), lines.join("\n")).unwrap();
+    let prose = dir.path().join("prose.txt");
+    let (ok, stdout, stderr) = eval(
+        &s,
+        &[
+            "--task",
+            "passkey-turns",
+            "--lengths",
+            "1500",
+            "--methods",
+            "full,fill",
+            "--text",
+            prose.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let rows = v["results"].as_array().expect("results");
+    let methods: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
+    assert_eq!(methods, ["full", "full+reuse", "fill", "fill+reuse"], "{v}");
+    let row = |m: &str| rows.iter().find(|r| r["method"] == m).unwrap();
+    for r in rows {
+        assert_eq!(r["task"], "passkey-turns", "{r}");
+        let answers = r["answers"].as_array().expect("answers");
+        assert_eq!(answers.len(), 5, "{r}");
+        let reuse = r["method"].as_str().unwrap().ends_with("+reuse");
+        for a in answers {
+            assert!(num(a, "last_turn_prefill_secs") > 0.0, "{a}");
+            // The last turn's prompt is within the length; reuse keeps all but its last rows.
+            let reused = num(a, "reused");
+            assert!(if reuse { reused > 500.0 } else { reused == 0.0 }, "{a}");
+        }
+    }
+    for (cold, warm) in row("full")["answers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(row("full+reuse")["answers"].as_array().unwrap())
+    {
+        assert_eq!(cold["answer"], warm["answer"], "{cold} vs {warm}");
+        let d = (num(cold, "key_nll") - num(warm, "key_nll")).abs();
+        assert!(d < 1e-3, "{cold} vs {warm}");
+    }
+    for a in row("fill+reuse")["answers"].as_array().unwrap() {
+        assert!(a["fill"]["filled"].is_number(), "{a}");
+    }
+}

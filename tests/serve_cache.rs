@@ -119,7 +119,10 @@ fn filled_rows_are_reused_only_by_filling_requests() {
         (exact.as_str(), p - MIN),
         "exact rows reused"
     );
-    // A filling request may take either cache.
+    // A filling request may take either cache, and continues it with skip-and-fill.
     let (_, _, c) = chat(port, &ask(q, json!({})));
     assert_eq!(c, p - MIN);
+    let (status, v) = post(port, "/v1/chat/completions", &ask(q, json!({})));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["usage"]["fill_report"]["restored_rows"].is_u64(), "{v}");
 }

@@ -6,11 +6,13 @@
 //! with what the cache holds (earlier prompts and the replies sampled into it), and only the
 //! tokens after the longest common prefix are prefilled — as llama-server's `cache_prompt` does.
 //! Where the template re-renders earlier text differently (a reply re-tokenized otherwise than it
-//! was sampled), the prefix simply ends there. Skip-and-fill needs an empty cache, so it fills the
-//! first turn (or any turn whose cached prefix is less than half its prompt); later turns' new
-//! tokens run every layer.
+//! was sampled), the prefix simply ends there. With a fill file every turn is a skip-and-fill
+//! prefill of its new tokens over the cache ([`Prefill::resume`]): the new question's spans may
+//! lie in rows an earlier turn filled, which then run the upper layers exactly from their stored
+//! split input ([`FillHistory`]), so a fact pasted in turn 1 and asked for in turn 5 is read
+//! exactly.
 
-use ridgefill::model::fill::{FillOptions, Prefill};
+use ridgefill::model::fill::{FillHistory, FillOptions, Prefill};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 
@@ -102,9 +104,11 @@ pub fn run(a: Args) -> Result<()> {
         .map(|s| ChatMessage::new("system", s))
         .collect();
     let keep = history.len();
-    // The conversation's cache, and the tokens it holds in order.
+    // The conversation's cache, the tokens it holds in order, and (with a fill file) which of
+    // its rows were filled and what re-running them needs.
     let mut cache = model.new_cache(ctx);
     let mut cached: Vec<u32> = Vec::new();
+    let mut filled_rows: Option<FillHistory> = None;
     let mut out = std::io::stdout().lock();
     let mut lines = std::io::stdin().lock().lines();
     loop {
@@ -142,23 +146,37 @@ pub fn run(a: Args) -> Result<()> {
             }
             history.remove(keep);
         };
-        let reuse = match a.no_cache_prompt {
+        // A filled cache is resumed from its history; without one it cannot be reused.
+        let resumable = fill.is_none() || filled_rows.is_some();
+        let reuse = match a.no_cache_prompt || !resumable {
             true => 0,
-            false => reusable_prefix(&cached, &ids, fill.is_some()),
+            false => reusable_prefix(&cached, &ids),
         };
         cache.truncate(reuse);
         cached.truncate(reuse);
-        let logits = match &fill {
-            Some((maps, rows)) if reuse == 0 => {
-                Prefill::run(model, &ids, &mut cache, FillOptions::fill(maps, *rows))
-                    .map(|f| f.logits)?
+        if let Some(h) = filled_rows.as_mut() {
+            h.truncate(reuse);
+        }
+        let (logits, report) = match &fill {
+            Some((maps, rows)) => {
+                let opts = FillOptions::fill(maps, *rows);
+                let run = match filled_rows.take().filter(|_| reuse > 0) {
+                    Some(h) => Prefill::resume(model, &ids, &cache, h, opts)?,
+                    None => Prefill::start(model, &ids, &cache, opts)?,
+                };
+                let f = run.finish(&mut cache)?;
+                filled_rows = f.history;
+                (f.logits, Some(f.report))
             }
-            _ => model.prefill(&ids[reuse..], &mut cache)?,
+            None => (model.prefill(&ids[reuse..], &mut cache)?, None),
         };
         cached.extend_from_slice(&ids[reuse..]);
         if verbose {
+            let fill = report.map_or_else(String::new, |r| {
+                format!(", {} filled, {} restored", r.filled, r.restored)
+            });
             eprintln!(
-                "chat: prompt {} tokens, {reuse} reused from the cache, {} prefilled",
+                "chat: prompt {} tokens, {reuse} reused from the cache, {} prefilled{fill}",
                 ids.len(),
                 ids.len() - reuse
             );

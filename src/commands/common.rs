@@ -316,17 +316,12 @@ pub fn load_any(args: &LoadArgs, capacity: usize) -> Result<AnyModel> {
 
 /// Prompt tokens a prefill may take from a cache holding `cached` (tokens in order): their
 /// longest common prefix, less the prompt's last `REUSE_MIN_ROWS` rows, which run as a cold
-/// prefill runs them; 0 when a `fill` prefill would keep less than half the prompt (it needs an
-/// empty cache, so filling the whole prompt afresh is then cheaper). Shared by `chat` and `serve`.
-pub fn reusable_prefix(cached: &[u32], prompt: &[u32], fill: bool) -> usize {
+/// prefill runs them. Shared by `chat`, `serve` and `eval --task passkey-turns`.
+pub fn reusable_prefix(cached: &[u32], prompt: &[u32]) -> usize {
     let common = cached
         .iter()
         .zip(prompt)
         .take_while(|(a, b)| a == b)
         .count();
-    let reuse = common.min(prompt.len().saturating_sub(REUSE_MIN_ROWS));
-    if fill && 2 * reuse < prompt.len() {
-        return 0;
-    }
-    reuse
+    common.min(prompt.len().saturating_sub(REUSE_MIN_ROWS))
 }

@@ -4,7 +4,8 @@
 //! [`answers`]; `retrieval` uses `methods` and `tasks`; `answers` uses `methods`, `tasks` and
 //! [`answers_score`]; `methods` and `tasks` use neither. RULER's tasks:
 //! [`ruler_run`] uses `methods`, `tasks`, [`ruler`] and [`ruler_data`]; `tasks` uses `ruler`,
-//! which uses `ruler_data` and [`ruler_fit`].
+//! which uses `ruler_data` and [`ruler_fit`]. Retrieval across chat turns: [`turns`] uses
+//! `methods` and `tasks`.
 
 mod answers;
 mod answers_score;
@@ -15,6 +16,7 @@ mod ruler_data;
 mod ruler_fit;
 mod ruler_run;
 mod tasks;
+mod turns;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -51,7 +53,8 @@ pub struct Args {
         default_value = "full,fill,ridge,drop,own-proj"
     )]
     pub methods: Vec<EvalMethod>,
-    /// Retrieval tasks instead of text fidelity: passkey, passkey-first, prose, multi; or
+    /// Retrieval tasks instead of text fidelity: passkey, passkey-first, prose, multi,
+    /// passkey-turns (a code asked two chat turns after it was given, cold and with reuse); or
     /// `answers` (alone): questions about real documents, see --questions; or RULER's synthetic
     /// tasks (niah_single_1 .. fwe; `ruler`: all of them), see --samples.
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -264,15 +267,23 @@ pub fn run(a: Args) -> Result<()> {
             .any(|t| t.needs_prose())
             .then(|| Prose::load(&a.text, a.lossy, asked))
             .transpose()?;
+        let single: Vec<Task> = tasks
+            .iter()
+            .copied()
+            .filter(|&t| t != Task::PasskeyTurns)
+            .collect();
         let spec = Spec {
-            tasks: &tasks,
+            tasks: &single,
             lengths: &a.lengths,
             prose: prose.as_ref(),
         };
         if a.oracle {
             retrieval::run_oracle(&loaded, &runners[1], &spec, &header, a.json)?;
-        } else {
+        } else if !single.is_empty() {
             retrieval::run(&loaded, &runners, &spec, &header, a.json)?;
+        }
+        if let (Some(prose), true) = (&prose, tasks.contains(&Task::PasskeyTurns)) {
+            turns::run(&loaded, &runners, &a.lengths, prose, &header, a.json)?;
         }
     }
     if ruler.is_empty() {

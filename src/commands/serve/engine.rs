@@ -8,11 +8,11 @@
 //! completion tokens): a new request takes the idle cache with the longest common token prefix
 //! (ties: least recently used) and prefills only the rest, as llama-server's `cache_prompt` and
 //! vLLM's prefix caching do; at most `parallel` caches stay idle, the least recently used
-//! dropped first. A cache whose prompt was filled is reused only by requests that fill too
-//! (its upper-layer rows are predictions), and a fill request reuses a prefix only when it
-//! covers at least half its prompt (otherwise filling the whole prompt afresh is cheaper:
-//! skip-and-fill needs an empty cache). A request that fails or whose client goes away drops
-//! its cache, so no half-written cache is ever reused.
+//! dropped first. A fill request continues a cached prefix with skip-and-fill
+//! ([`Prefill::resume`]): its question's spans may re-run rows an earlier request filled, from
+//! the split input the cache's [`FillHistory`] keeps. A request that runs every layer reuses a
+//! prefix only where all its rows are exact. A request that fails or whose client goes away
+//! drops its cache, so no half-written cache is ever reused.
 //!
 //! A request asking for log-probabilities gets them from the same logits it samples from; one
 //! that wants its prompt's (OpenAI's `echo` with `logprobs`, what evaluation harnesses score
@@ -25,7 +25,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
-use ridgefill::model::fill::{FillMaps, FillOptions, FillReport, FillRows, Prefill};
+use ridgefill::model::fill::{FillHistory, FillMaps, FillOptions, FillReport, FillRows, Prefill};
 use ridgefill::model::sample::sample_rows;
 use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK};
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
@@ -146,8 +146,9 @@ struct Idle {
     cache: KvCache,
     /// The tokens the cache holds, in order.
     tokens: Vec<u32>,
-    /// Whether some rows' upper-layer K/V were filled (only fill requests may reuse them).
-    filled: bool,
+    /// Which rows' upper-layer K/V were filled, and what re-running them needs (`None`: every
+    /// row is exact).
+    history: Option<FillHistory>,
     /// When it was left, in finished requests: the smallest is the least recently used.
     used: u64,
 }
@@ -160,8 +161,10 @@ struct Seq<'t> {
     tokens: Vec<u32>,
     /// Prompt tokens reused from a cached prefix.
     reused: usize,
-    /// Whether `cache` holds filled rows (from this prompt's fill).
-    cache_filled: bool,
+    /// Which of `cache`'s rows are filled (`None`: all exact).
+    history: Option<FillHistory>,
+    /// The request prefills with skip-and-fill (`filled` says whether rows were filled).
+    fill: bool,
     sampler: Sampler,
     /// Prompt tokens not yet prefilled.
     prefilled: usize,
@@ -309,37 +312,43 @@ impl<'m> Engine<'m> {
         let n = job.prompt.len();
         let capacity = n + job.max_tokens;
         // Prompt logprobs need every position's logits: full prefill.
-        let mut filled = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
+        let fill = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
         let reusable = self.cache_prompt && job.cache_prompt && job.prompt_logprobs.is_none();
+        // A filling request resumes any cache; an exact one only an exact prefix.
+        let usable =
+            |e: &Idle, p: usize| fill || e.history.as_ref().is_none_or(|h| h.exact_upto(p));
         let best = idle
             .iter()
             .enumerate()
-            .filter(|(_, e)| reusable && (filled || !e.filled))
-            .map(|(i, e)| (i, reusable_prefix(&e.tokens, &job.prompt, filled)))
+            .filter(|_| reusable)
+            .map(|(i, e)| (i, reusable_prefix(&e.tokens, &job.prompt)))
+            .filter(|&(i, p)| usable(&idle[i], p))
             .max_by(|a, b| a.1.cmp(&b.1).then(idle[b.0].used.cmp(&idle[a.0].used)));
-        let (cache, tokens, reused, cache_filled) = match best {
+        let (cache, tokens, reused, history) = match best {
             Some((i, p)) if p > 0 => {
                 let Idle {
                     mut cache,
                     mut tokens,
-                    filled: was_filled,
+                    mut history,
                     ..
                 } = idle.swap_remove(i);
                 cache.truncate(p);
                 cache.grow(capacity);
                 tokens.truncate(p);
-                // The rest runs every layer: skip-and-fill needs an empty cache.
-                filled = false;
-                (cache, tokens, p, was_filled)
+                if let Some(h) = history.as_mut() {
+                    h.truncate(p);
+                }
+                (cache, tokens, p, history)
             }
-            _ => (self.model.new_cache(capacity), Vec::new(), 0, false),
+            _ => (self.model.new_cache(capacity), Vec::new(), 0, None),
         };
         self.metrics.record_cache(reused, n - reused);
         Seq {
             cache,
             tokens,
             reused,
-            cache_filled,
+            history,
+            fill,
             sampler: Sampler::new(job.sampler.clone()),
             prefilled: reused,
             next: None,
@@ -349,7 +358,7 @@ impl<'m> Engine<'m> {
             sent: 0,
             prefill_ms: 0.0,
             ttft_ms: 0.0,
-            filled,
+            filled: false,
             report: None,
             prefill_started: None,
             done_reason: None,
@@ -365,24 +374,31 @@ impl<'m> Engine<'m> {
     fn prefill_chunk(&self, s: &mut Seq<'m>, eos: &[u32]) -> anyhow::Result<()> {
         let started = *s.prefill_started.get_or_insert_with(Instant::now);
         let n = s.job.prompt.len();
-        if let (true, Some(f), None) = (s.filled, self.fill, &s.fill_state) {
+        if let (true, Some(f), None, None) = (s.fill, self.fill, &s.fill_state, &s.report) {
             let opts = FillOptions::fill(&f.maps, f.rows);
-            let p = Prefill::start(self.model, &s.job.prompt, &s.cache, opts)?;
-            // Too short to have a bulk: every row runs every layer, as full prefill.
-            s.filled = p.skips();
-            if !s.filled {
-                s.report = Some(p.report());
-            }
-            s.fill_state = s.filled.then_some(p);
+            let p = match s.reused {
+                0 => Prefill::start(self.model, &s.job.prompt, &s.cache, opts)?,
+                // An exact cache's rows need no history; a filled one always has one.
+                from => {
+                    let h = s
+                        .history
+                        .take()
+                        .unwrap_or_else(|| FillHistory::exact(f.maps.split, from));
+                    Prefill::resume(self.model, &s.job.prompt, &s.cache, h, opts)?
+                }
+            };
+            s.fill_state = Some(p);
         }
         let logits: Option<Vec<f32>> = match &mut s.fill_state {
             Some(st) => {
                 let l = st.step(&mut s.cache)?;
                 if l.is_some() {
                     let report = st.report();
-                    // The self-check failed with no deeper fill: every row ran every layer.
-                    s.filled = !report.fell_back;
+                    // Too short to have a bulk, or the self-check failed with no deeper fill:
+                    // every row ran every layer.
+                    s.filled = report.filled > 0;
                     s.report = Some(report);
+                    s.history = st.take_history();
                     s.prefilled = n;
                     s.fill_state = None;
                 }
@@ -417,7 +433,6 @@ impl<'m> Engine<'m> {
         };
         let held = s.tokens.len();
         s.tokens.extend_from_slice(&s.job.prompt[held..]);
-        s.cache_filled |= s.filled;
         check_finite(&logits, logits.len(), n - 1)?;
         s.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
         self.metrics.record_prefill(n, started.elapsed());
@@ -457,10 +472,12 @@ impl<'m> Engine<'m> {
         if !self.cache_prompt || s.tokens.is_empty() {
             return;
         }
+        // Rows past the history's are the decoded tokens: exact.
+        let history = s.history.filter(|h| h.filled(h.recorded()) > 0);
         idle.push(Idle {
             cache: s.cache,
             tokens: s.tokens,
-            filled: s.cache_filled,
+            history,
             used: finished,
         });
         if idle.len() > self.parallel {
