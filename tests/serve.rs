@@ -333,7 +333,7 @@ fn serve_and_chat_refuse_bad_flags() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (
             &["serve", "--host", "no such host", "--port", "0"],
             "not an address",
@@ -367,6 +367,10 @@ fn serve_and_chat_refuse_bad_flags() {
         (
             &["generate", "-p", "x", "--max-fill-error", "never"],
             "a positive number or off",
+        ),
+        (
+            &["serve", "--cache-ram", "lots", "--port", "0"],
+            "--cache-ram",
         ),
     ];
     for (args, needle) in cases {

@@ -126,3 +126,30 @@ fn filled_rows_are_reused_only_by_filling_requests() {
     assert_eq!(status, 200, "{v}");
     assert!(v["usage"]["fill_report"]["restored_rows"].is_u64(), "{v}");
 }
+
+/// One slot, two conversations taking turns: the host cache (`--cache-ram`) keeps the one the
+/// slot churned out, so it is reused when it comes back; with `--cache-ram 0` only the slot's
+/// own cache is kept and it is not. `/metrics` counts the kept caches and their bytes.
+#[test]
+fn the_host_cache_keeps_prefixes_through_slot_churn() {
+    let other = |q: &str| {
+        let mut b = ask(q, json!({}));
+        b["messages"][0]["content"] = json!(system().replace("library", "museum"));
+        b
+    };
+    for (ram, kept) in [("512", true), ("0", false)] {
+        let server = start(&["--parallel", "1", "--cache-ram", ram]);
+        let port = server.port;
+        let (_, p, _) = chat(port, &ask("Where are the atlases?", json!({})));
+        chat(port, &other("Where are the vases?"));
+        let (_, _, c) = chat(port, &ask("Where are the atlases?", json!({})));
+        // Without the host cache only the other conversation's shares a prefix: the template's.
+        match kept {
+            true => assert_eq!(c, p - MIN, "--cache-ram {ram}"),
+            false => assert!(c < p / 4, "--cache-ram {ram}: {c} of {p} cached"),
+        }
+        let entries = counter(port, "prompt_cache_entries");
+        assert_eq!(entries, if kept { 2 } else { 1 }, "--cache-ram {ram}");
+        assert!(counter(port, "prompt_cache_bytes") > 0);
+    }
+}

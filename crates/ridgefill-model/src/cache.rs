@@ -60,6 +60,15 @@ impl KvCache {
         }
     }
 
+    /// Bytes of K and V storage, every layer at its whole capacity.
+    pub fn bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|t| t.dims().iter().product::<usize>() * t.dtype().size())
+            .sum()
+    }
+
     /// The dtype K and V are stored as.
     pub fn stored_dtype(&self) -> FloatDType {
         self.stored

@@ -7,8 +7,10 @@
 //! A finished request leaves its cache behind, with the tokens it holds (prompt and the fed
 //! completion tokens): a new request takes the idle cache with the longest common token prefix
 //! (ties: least recently used) and prefills only the rest, as llama-server's `cache_prompt` and
-//! vLLM's prefix caching do; at most `parallel` caches stay idle, the least recently used
-//! dropped first. A fill request continues a cached prefix with skip-and-fill
+//! vLLM's prefix caching do (a copy of it when that prefix is under half of what it holds, so a
+//! short shared prefix does not cost another conversation its cache). The `parallel` most recently used idle caches stay (one per slot),
+//! and older ones while they fit in `cache_ram` bytes (llama-server's `--cache-ram`), the least
+//! recently used dropped first. A fill request continues a cached prefix with skip-and-fill
 //! ([`Prefill::resume`]): its question's spans may re-run rows an earlier request filled, from
 //! the split input the cache's [`FillHistory`] keeps. A request that runs every layer reuses a
 //! prefix only where all its rows are exact. A request that fails or whose client goes away
@@ -142,6 +144,7 @@ pub struct Fill {
 }
 
 /// A finished request's cache, kept for a later request that shares its prefix.
+#[derive(Clone)]
 struct Idle {
     cache: KvCache,
     /// The tokens the cache holds, in order.
@@ -197,6 +200,8 @@ pub struct Engine<'m> {
     pub metrics: Arc<Metrics>,
     /// Reuse finished requests' caches (`--no-cache-prompt` turns it off).
     pub cache_prompt: bool,
+    /// Bytes of idle caches kept beyond the `parallel` most recent (`--cache-ram`).
+    pub cache_ram: usize,
 }
 
 impl<'m> Engine<'m> {
@@ -326,12 +331,19 @@ impl<'m> Engine<'m> {
             .max_by(|a, b| a.1.cmp(&b.1).then(idle[b.0].used.cmp(&idle[a.0].used)));
         let (cache, tokens, reused, history) = match best {
             Some((i, p)) if p > 0 => {
+                // A cache mostly about something else stays for its own conversation; this
+                // request gets a copy (its storage is shared until written).
+                let keep = p < idle[i].tokens.len() / 2;
                 let Idle {
                     mut cache,
                     mut tokens,
                     mut history,
                     ..
-                } = idle.swap_remove(i);
+                } = if keep {
+                    idle[i].clone()
+                } else {
+                    idle.swap_remove(i)
+                };
                 cache.truncate(p);
                 cache.grow(capacity);
                 tokens.truncate(p);
@@ -480,10 +492,34 @@ impl<'m> Engine<'m> {
             history,
             used: finished,
         });
-        if idle.len() > self.parallel {
-            let lru = (0..idle.len()).min_by_key(|&i| idle[i].used);
-            lru.map(|i| idle.swap_remove(i));
-        }
+        self.evict(idle);
+    }
+
+    /// Keeps the `parallel` most recently used idle caches, then older ones while their bytes
+    /// fit in `cache_ram`; drops the rest.
+    fn evict(&self, idle: &mut Vec<Idle>) {
+        idle.sort_by_key(|e| std::cmp::Reverse(e.used));
+        let mut spare = self.cache_ram;
+        let mut kept = 0;
+        idle.retain(|e| {
+            kept += 1;
+            if kept <= self.parallel {
+                return true;
+            }
+            let bytes = e.bytes();
+            let fits = bytes <= spare;
+            spare = spare.saturating_sub(bytes * usize::from(fits));
+            fits
+        });
+        let bytes = idle.iter().map(Idle::bytes).sum();
+        self.metrics.record_idle(idle.len(), bytes);
+    }
+}
+
+impl Idle {
+    /// Bytes this idle cache holds: its K/V storage and its fill history.
+    fn bytes(&self) -> usize {
+        self.cache.bytes() + self.history.as_ref().map_or(0, |h| h.bytes())
     }
 }
 

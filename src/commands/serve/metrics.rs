@@ -16,6 +16,9 @@ pub struct Metrics {
     pub rejected: AtomicU64,
     pub queue_depth: AtomicUsize,
     pub active: AtomicUsize,
+    /// Finished requests' caches kept for reuse, and their bytes.
+    pub idle_caches: AtomicUsize,
+    pub idle_cache_bytes: AtomicUsize,
     pub shutdown: AtomicBool,
     inner: Mutex<Inner>,
 }
@@ -57,6 +60,12 @@ impl Metrics {
             m.cache_hit_tokens += hit as u64;
             m.cache_miss_tokens += miss as u64;
         });
+    }
+
+    /// The idle caches now kept: how many, and their bytes.
+    pub fn record_idle(&self, caches: usize, bytes: usize) {
+        self.idle_caches.store(caches, Ordering::Relaxed);
+        self.idle_cache_bytes.store(bytes, Ordering::Relaxed);
     }
 
     pub fn record_prefill(&self, tokens: usize, took: Duration) {
@@ -182,6 +191,18 @@ impl Metrics {
             "gauge",
             "Requests holding a slot (prefilling or decoding).",
             self.active.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "prompt_cache_entries",
+            "gauge",
+            "Finished requests' caches kept for prefix reuse.",
+            self.idle_caches.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "prompt_cache_bytes",
+            "gauge",
+            "Bytes of the caches kept for prefix reuse (K/V storage and fill history).",
+            self.idle_cache_bytes.load(Ordering::Relaxed).to_string(),
         );
         metric(
             "prefill_tokens_per_second",

@@ -47,7 +47,17 @@ pub struct Args {
     /// sharing their prefix (per request: `"cache_prompt": false`).
     #[arg(long)]
     pub no_cache_prompt: bool,
+    /// Megabytes of finished requests' caches kept beyond one per slot (least recently used
+    /// dropped first), so a shared system prompt or document survives slot churn; 0 keeps only
+    /// the slots' own. The caches live where the device keeps K/V: host RAM on `cpu`.
+    #[arg(long, default_value_t = DEFAULT_CACHE_RAM_MB)]
+    pub cache_ram: usize,
 }
+
+/// Default `--cache-ram`: a few dozen 4k-token SmolLM2 prompts, or ten 8k-token Llama-1B ones.
+const DEFAULT_CACHE_RAM_MB: usize = 2048;
+/// Bytes in one `--cache-ram` megabyte.
+const MB: usize = 1 << 20;
 
 /// Largest default context (the KV cache of each slot is sized per request).
 const DEFAULT_CTX_CAP: usize = 8192;
@@ -130,6 +140,7 @@ pub fn run(a: Args) -> Result<()> {
                 parallel,
                 metrics: engine_metrics,
                 cache_prompt: !a.no_cache_prompt,
+                cache_ram: a.cache_ram.saturating_mul(MB),
             }
             .run(queue_rx)
         });
