@@ -22,6 +22,17 @@ if ! ldconfig -p | grep -q libvulkan.so.1 || ! ls /usr/share/vulkan/icd.d/*.json
   fi
 fi
 
+# HAProxy in front of two `serve` replicas (tests/haproxy.rs); without it that test says it skipped.
+if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing HAProxy for tests/haproxy.rs"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null
+  else
+    echo "warning: no haproxy; tests/haproxy.rs will skip (apt-get install haproxy as root)" >&2
+  fi
+fi
+
 # The official openai client, which tests/serve.rs drives against the server: a venv of its own
 # outside the clone (RIDGEFILL_PYTHON names an interpreter that already has it).
 if [ -z "${RIDGEFILL_PYTHON:-}" ]; then
