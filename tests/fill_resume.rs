@@ -6,7 +6,7 @@ mod common;
 
 use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
 use ridgefill::model::{Decoder, KvCache, to_host_f32};
-use ridgefill_testkit::fill::{gqa_model, random_maps, spans_rows};
+use ridgefill_testkit::fill::{gqa_model, gqa_model_on, random_maps, spans_rows};
 use ridgefill_testkit::{prompt, tiny};
 
 /// First prompt, decoded tokens after it, and the rows a later turn adds (past a prefill chunk,
@@ -161,4 +161,30 @@ fn resuming_refuses_another_split_and_an_empty_cache() {
         .expect("an empty cache is refused")
         .to_string();
     assert!(err.contains("cache of 0 positions"), "{err}");
+}
+
+/// On wgpu too: a prefill after a reused prefix equals a cold prefill, and a resumed fill with
+/// exact maps equals full prefill and flex's resumed fill.
+#[test]
+fn reuse_and_resume_on_wgpu_match_cold_prefill_and_flex() {
+    let dev = common::wgpu();
+    let gpu = gqa_model_on(4, &dev.device);
+    let flex = gqa_model(4, true);
+    let ids = prompt(N, gpu.config.vocab_size);
+    let cold = to_host_f32(gpu.prefill(&ids, &mut gpu.new_cache(N)).unwrap());
+    let mut cache = gpu.new_cache(N);
+    gpu.prefill(&ids[..FIRST], &mut cache).unwrap();
+    let reused = to_host_f32(gpu.prefill(&ids[FIRST..], &mut cache).unwrap());
+    let d = common::max_abs_diff(&cold, &reused);
+    assert!(d < 1e-4, "wgpu: reused vs cold prefill max |Δ| {d}");
+
+    let rows = spans_rows(4, 0.1, 4);
+    let maps = FillMaps::own_proj(&gpu, 3).unwrap();
+    let (got, _, _) = two_turns(&gpu, &ids, &maps, rows, rows);
+    let d = common::max_abs_diff(&cold, &got);
+    assert!(d < 1e-3, "wgpu: resumed fill vs full prefill max |Δ| {d}");
+    let flex_maps = FillMaps::own_proj(&flex, 3).unwrap();
+    let (on_flex, _, _) = two_turns(&flex, &ids, &flex_maps, rows, rows);
+    let d = common::max_abs_diff(&on_flex, &got);
+    assert!(d < 1e-3, "resumed fill flex vs wgpu max |Δ| {d}");
 }

@@ -36,6 +36,13 @@ pub fn fill_logits(m: &Decoder, ids: &[u32], maps: &FillMaps, rows: FillRows) ->
 /// A random 64-wide Llama with grouped-query attention (4 heads over 2 KV heads), on flex, with
 /// RidgeFill's fused CPU kernels or plain burn ops.
 pub fn gqa_model(layers: usize, cpu_kernels: bool) -> Decoder {
+    let mut m = gqa_model_on(layers, &Device::flex());
+    m.set_cpu_kernels(cpu_kernels);
+    m
+}
+
+/// [`gqa_model`]'s weights (the same seed) on `device`.
+pub fn gqa_model_on(layers: usize, device: &Device) -> Decoder {
     let config: ridgefill_io::config::ModelConfig = serde_json::from_value(serde_json::json!({
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -43,9 +50,7 @@ pub fn gqa_model(layers: usize, cpu_kernels: bool) -> Decoder {
         "max_position_embeddings": 1024, "tie_word_embeddings": true
     }))
     .unwrap();
-    let mut m = Decoder::random(config, &Device::flex(), FloatDType::F32, 512, 3).unwrap();
-    m.set_cpu_kernels(cpu_kernels);
-    m
+    Decoder::random(config, device, FloatDType::F32, 512, 3).unwrap()
 }
 
 /// A precision matrix of the right shape (`I·1e-2`): the update's work, not a fitted one.
