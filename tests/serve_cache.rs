@@ -153,3 +153,32 @@ fn the_host_cache_keeps_prefixes_through_slot_churn() {
         assert!(counter(port, "prompt_cache_bytes") > 0);
     }
 }
+
+/// A client that goes away while its prompt is prefilled leaves nothing half-written: the same
+/// prompt asked again reuses either nothing (the cache was dropped) or the whole prompt (the
+/// prefill had finished), and answers as a request that reuses nothing.
+#[test]
+fn a_client_gone_mid_prefill_leaves_no_half_written_cache() {
+    use std::io::Write;
+    let server = start(&["--parallel", "1"]);
+    let port = server.port;
+    let long = "The atlases are on the third floor, beside the map room. ".repeat(150);
+    let body = ask(&long, json!({"stream": true}));
+    let body = body.to_string();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // Gone before its ~2000-token prompt can be prefilled.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    drop(s);
+    let (again, p, c) = chat(port, &ask(&long, json!({})));
+    assert!(c == 0 || c == p - MIN, "{c} of {p} tokens reused");
+    let (fresh, _, c) = chat(port, &ask(&long, json!({"cache_prompt": false})));
+    assert_eq!(c, 0);
+    assert_eq!(again, fresh);
+}
