@@ -26,7 +26,8 @@ use crate::commands::common::{Bar, reusable_prefix};
 
 /// Relative depths of the code in the first turn's document.
 const DEPTHS: [f64; 5] = [0.1, 0.3, 0.5, 0.7, 0.9];
-/// Sentences of the unrelated passage of the second turn (taken after the document's).
+/// Sentences of the unrelated passage of the second turn (the prose's first; the document's
+/// follow).
 const PASSAGE_SENTENCES: usize = 12;
 const FIRST_ASK: &str = "\n\nPlease read this document carefully; I will ask you about it later.";
 const FIRST_REPLY: &str = "I have read the document. What would you like to know?";
@@ -92,7 +93,9 @@ impl Conversation {
             needles: vec![(depth, format!("The secret code of the {object} is {code}."))],
             question: String::new(),
         };
-        let ask = format!("Back to the document: what is the secret code of the {object}?");
+        let ask = format!(
+            "Back to the document: what is the secret code of the {object}? Answer with the number."
+        );
         let cue = format!("The secret code of the {object} is");
         let turns = [
             (layout.text(k) + FIRST_ASK, FIRST_REPLY),
@@ -141,15 +144,12 @@ impl Conversation {
 /// The conversations at `length` tokens: the longest document that keeps the last prompt
 /// within `length`, one conversation per depth.
 fn conversations(ckpt: &Checkpoint, prose: &Prose, length: usize) -> Result<Vec<Conversation>> {
+    // The passage first: what `Prose::load` gathers for a longer run only adds to the end, so
+    // a length's conversations do not depend on the other lengths asked for.
     let sentences = prose.sentences();
-    let passage = sentences
-        .iter()
-        .rev()
-        .take(PASSAGE_SENTENCES)
-        .cloned()
-        .collect::<Vec<_>>()
-        .join(" ");
-    let units = &sentences[..sentences.len().saturating_sub(PASSAGE_SENTENCES)];
+    let cut = PASSAGE_SENTENCES.min(sentences.len());
+    let passage = sentences[..cut].join(" ");
+    let units = &sentences[cut..];
     let mut out = Vec::with_capacity(DEPTHS.len());
     for (&depth, &fact) in DEPTHS.iter().zip(FACTS.iter()) {
         let build = |k| Conversation::build(ckpt, units, &passage, k, (depth, fact));

@@ -140,6 +140,12 @@ impl std::fmt::Display for FillMethod {
 /// before a document) and at several facts, and on a short prompt a few spans cost little.
 pub const MIN_SPANS: usize = 5;
 
+/// Fewest spans a prefill over a cached prefix chooses ([`Prefill::resume`]), however few its
+/// new rows: the question's attention then ranks every earlier turn's filled rows too. With 5,
+/// a code planted two turns back in a 4096-token chat was missed (key NLL 17.9 against full's
+/// 0.08); with 10 every code's NLL was within full's (`eval --task passkey-turns`).
+pub const RESUME_MIN_SPANS: usize = 10;
+
 /// Default half-width of an exact span: a needle sentence is ~16 tokens, centred on the top row.
 pub const DEFAULT_SPAN_RADIUS: usize = 8;
 

@@ -7,7 +7,7 @@ use std::ops::Range;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation};
 
 use super::exact::{ExactRows, exact_pass};
-use super::{FillMaps, FillRows, Oracle, choose_new_spans};
+use super::{FillMaps, FillRows, Oracle, RESUME_MIN_SPANS, choose_new_spans};
 use crate::cache::KvCache;
 use crate::decoder::{Decoder, PREFILL_CHUNK};
 use crate::error::{ModelError, Result};
@@ -73,14 +73,15 @@ pub(crate) fn fill_upper(
     } = plan;
     let n = h_split.dims()[0];
     let scored = scoring_layer(model, maps.split);
-    // A later prefill spends the budget of its new rows, wherever its question points.
+    // A later prefill spends the budget of its new rows, wherever its question points, and at
+    // least `RESUME_MIN_SPANS` spans: earlier turns' filled rows compete for them.
     let new = n - from;
     let spans = if rows.span_count(new) > 0 {
         let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
         let budget = if from == 0 {
             rows.exact_rows(n)
         } else {
-            rows.span_count(new) * (2 * rows.span + 1)
+            rows.span_count(new).max(RESUME_MIN_SPANS) * (2 * rows.span + 1)
         };
         choose_new_spans(
             &scores,
