@@ -163,8 +163,26 @@ QUESTIONS = [
 ]
 
 
+def chat_plain(a, doc):
+    """The same conversation against any OpenAI-compatible server (llama-server, llama-cpp-python),
+    with only the standard fields and `cache_prompt` (llama-server's; others ignore it)."""
+    msgs = [{"role": "user", "content": doc + "\n\n" + QUESTIONS[0]}]
+    print("| turn | prompt tokens | time to first token | cached tokens |")
+    print("|---:|---:|---:|---:|")
+    for k in range(a.turns):
+        body = {"messages": msgs, "max_tokens": a.tokens, "temperature": 0, "cache_prompt": True}
+        t, text, u = chat_stream(a.url, body)
+        u = u or {}
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", "—")
+        print(f"| {k + 1} | {u.get('prompt_tokens', '—')} | {1e3 * t:.0f} ms | {cached} |")
+        msgs = msgs + [{"role": "assistant", "content": text},
+                       {"role": "user", "content": QUESTIONS[(k + 1) % len(QUESTIONS)]}]
+
+
 def chat(a):
     doc = open(a.doc, encoding="utf-8").read()
+    if a.plain:
+        return chat_plain(a, doc)
     runs = {}
     for fill in [False, True]:
         for reuse in [True, False]:
@@ -212,6 +230,8 @@ def main():
     p.add_argument("--no-fill", action="store_true", help="longprompt: full prefill for the long prompt")
     p.add_argument("--doc", default="data/answers/prose/verne-80-days-ch3.txt", help="chat: the document")
     p.add_argument("--turns", type=int, default=6, help="chat: questions about the document")
+    p.add_argument("--plain", action="store_true",
+                   help="chat: another OpenAI-compatible server (llama-server): standard fields only, one conversation")
     a = p.parse_args()
     {"streams": streams, "longprompt": longprompt, "ttft": ttft, "chat": chat}[a.mode](a)
 
