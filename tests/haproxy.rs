@@ -130,7 +130,9 @@ fn converse(port: u16, users: &[&str]) -> ((u64, u64), Vec<Vec<String>>) {
             assert_eq!(status, 200, "{user}, turn {}: {v}", k + 1);
             let usage = &v["usage"];
             if k > 0 {
-                cached += usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+                cached += usage["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap();
                 prompt += usage["prompt_tokens"].as_u64().unwrap();
             }
             let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
@@ -194,7 +196,12 @@ fn replicas_behind_haproxy_keep_conversations_and_route_around_a_dead_one() {
 
     // Round-robin first, then affinity: each replica's cache then only holds what the
     // affinity run leaves, since every conversation's document differs.
-    let rr = proxy(&bin, dir.path(), &[&replicas[0], &replicas[1]], "roundrobin");
+    let rr = proxy(
+        &bin,
+        dir.path(),
+        &[&replicas[0], &replicas[1]],
+        "roundrobin",
+    );
     let ((rr_cached, rr_prompt), _) = converse(rr.port, &users);
     drop(rr);
     let sticky = proxy(
@@ -216,8 +223,14 @@ fn replicas_behind_haproxy_keep_conversations_and_route_around_a_dead_one() {
     for (u, r) in renamed.iter().zip(&routes) {
         assert!(r.iter().all(|x| x == &r[0] && !x.is_empty()), "{u}: {r:?}");
     }
-    assert!(hit > 0.8, "affinity reused {hit:.3} of later turns' prompts");
-    assert!(rr_hit < hit - 0.2, "round-robin {rr_hit:.3} vs affinity {hit:.3}");
+    assert!(
+        hit > 0.8,
+        "affinity reused {hit:.3} of later turns' prompts"
+    );
+    assert!(
+        rr_hit < hit - 0.2,
+        "round-robin {rr_hit:.3} vs affinity {hit:.3}"
+    );
 
     // A long reply cut by its replica's death ends at once; the next turn goes to the other.
     let user = renamed[0];
