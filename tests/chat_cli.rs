@@ -112,3 +112,20 @@ fn chat_answers_piped_turns() {
     assert!(replies[0].contains("Paris"), "{stdout:?}");
     assert_eq!(replies[0], replies[1]);
 }
+
+/// With a fill file, every turn after the first is a skip-and-fill prefill over the cached
+/// conversation (before, a filled cache could not be continued by a fill): it reuses the
+/// earlier turns and replies.
+#[test]
+fn a_filled_conversation_is_continued_over_its_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, fill) = common::serve::quick_fill(dir.path());
+    let (replies, turns) = chat(&["--fill", fill.to_str().unwrap()]);
+    assert_eq!(replies.lines().count(), 3, "{replies}");
+    assert_eq!(turns.len(), 3, "{turns:?}");
+    assert_eq!(turns[0].1, 0);
+    assert!(
+        turns[1..].iter().all(|&(_, reused)| reused > 0),
+        "{turns:?}"
+    );
+}

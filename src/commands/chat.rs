@@ -160,10 +160,7 @@ pub fn run(a: Args) -> Result<()> {
         let (logits, report) = match &fill {
             Some((maps, rows)) => {
                 let opts = FillOptions::fill(maps, *rows);
-                let run = match filled_rows.take().filter(|_| reuse > 0) {
-                    Some(h) => Prefill::resume(model, &ids, &cache, h, opts)?,
-                    None => Prefill::start(model, &ids, &cache, opts)?,
-                };
+                let run = Prefill::over(model, &ids, &cache, filled_rows.take(), opts)?;
                 let f = run.finish(&mut cache)?;
                 filled_rows = f.history;
                 (f.logits, Some(f.report))

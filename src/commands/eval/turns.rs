@@ -242,11 +242,7 @@ fn prefill_turns(
         let (logits, report) = match opts {
             None => (model.prefill(&prompt[p..], cache)?, None),
             Some(o) => {
-                let run = match history.take().filter(|_| p > 0) {
-                    None => Prefill::start(model, prompt, cache, o)?,
-                    Some(h) => Prefill::resume(model, prompt, cache, h, o)?,
-                };
-                let f = run.finish(cache)?;
+                let f = Prefill::over(model, prompt, cache, history.take(), o)?.finish(cache)?;
                 history = f.history;
                 (f.logits, Some(f.report))
             }

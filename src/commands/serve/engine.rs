@@ -388,17 +388,8 @@ impl<'m> Engine<'m> {
         let n = s.job.prompt.len();
         if let (true, Some(f), None, None) = (s.fill, self.fill, &s.fill_state, &s.report) {
             let opts = FillOptions::fill(&f.maps, f.rows);
-            let p = match s.reused {
-                0 => Prefill::start(self.model, &s.job.prompt, &s.cache, opts)?,
-                // An exact cache's rows need no history; a filled one always has one.
-                from => {
-                    let h = s
-                        .history
-                        .take()
-                        .unwrap_or_else(|| FillHistory::exact(f.maps.split, from));
-                    Prefill::resume(self.model, &s.job.prompt, &s.cache, h, opts)?
-                }
-            };
+            // An idle cache without a history is exact throughout.
+            let p = Prefill::over(self.model, &s.job.prompt, &s.cache, s.history.take(), opts)?;
             s.fill_state = Some(p);
         }
         let logits: Option<Vec<f32>> = match &mut s.fill_state {
@@ -482,6 +473,10 @@ impl<'m> Engine<'m> {
             report: s.report,
         }));
         if !self.cache_prompt || s.tokens.is_empty() {
+            return;
+        }
+        // A deeper split's fill leaves no history to resume from: such a cache is not kept.
+        if s.filled && s.history.is_none() {
             return;
         }
         // Rows past the history's are the decoded tokens: exact.

@@ -162,6 +162,23 @@ impl<'a> Prefill<'a> {
         })
     }
 
+    /// Starts a prefill of `tokens` into `cache`: afresh when the cache is empty
+    /// ([`Prefill::start`]), else over the prefix it holds ([`Prefill::resume`]), whose rows
+    /// `history` records (`None`: every cached row is exact).
+    pub fn over(
+        model: &'a Decoder,
+        tokens: &[u32],
+        cache: &KvCache,
+        history: Option<FillHistory>,
+        opts: FillOptions<'a>,
+    ) -> Result<Self> {
+        if cache.is_empty() {
+            return Self::start(model, tokens, cache, opts);
+        }
+        let history = history.unwrap_or_else(|| FillHistory::exact(opts.split, cache.len()));
+        Self::resume(model, tokens, cache, history, opts)
+    }
+
     /// Continues a prefill of `tokens` into `cache`, which holds their first `cache.len()`
     /// positions as `before` records them (an earlier prefill's [`Prefill::history`], truncated
     /// to the shared prefix, with decoded rows exact). The new rows run the layers below the
