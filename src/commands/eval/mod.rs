@@ -5,7 +5,7 @@
 //! [`answers_score`]; `methods` and `tasks` use neither. RULER's tasks:
 //! [`ruler_run`] uses `methods`, `tasks`, [`ruler`] and [`ruler_data`]; `tasks` uses `ruler`,
 //! which uses `ruler_data` and [`ruler_fit`]. Retrieval across chat turns: [`turns`] uses
-//! `methods` and `tasks`.
+//! `methods`, `tasks` and `retrieval`.
 
 mod answers;
 mod answers_score;

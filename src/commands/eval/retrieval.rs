@@ -57,28 +57,8 @@ fn ask(
         Method::Fill(_, rows) if rows.exact > 0.0 => Some(q.covered(rows, &spans)),
         _ => None,
     };
-    let mut forced = cache.clone();
-    let logp = eval::continue_logp(model, last.clone(), &q.cont, &mut forced)?;
-    drop(forced);
-    let mut logits = to_host_f32(last);
-    let mut answer = Vec::with_capacity(ANSWER_TOKENS);
-    for step in 0..ANSWER_TOKENS {
-        let t = sample::argmax(&logits);
-        answer.push(t);
-        if step + 1 < ANSWER_TOKENS {
-            logits = to_host_f32(model.decode_step(t, &mut cache)?);
-        }
-    }
-    let text = tok.decode(&answer, true)?;
+    let (text, nll) = answer_and_key_nll(model, tok, last, &mut cache, &q.cont, &q.digits)?;
     let hit = text.contains(&q.key);
-    // `[c, vocab]`, flattened on the host: c is a handful of tokens.
-    let vocab = logp.dims()[1];
-    let logp = to_host_f32(logp);
-    let nll = q
-        .digits
-        .iter()
-        .map(|&i| -f64::from(logp[i * vocab + q.cont[i] as usize]))
-        .sum();
     Ok(Answer {
         depth: q.depth,
         hit,
@@ -86,6 +66,38 @@ fn ask(
         nll,
         covered,
     })
+}
+
+/// After a prefill whose last-position logits are `last` (`[vocab]`): the greedy answer's text
+/// ([`ANSWER_TOKENS`] tokens, decoded into `cache`), and the summed NLL of the key's digit tokens
+/// (`cont[digits]`), teacher-forced by the full model from a copy of the cache.
+pub(super) fn answer_and_key_nll(
+    model: &Decoder,
+    tok: &Tokenizer,
+    last: ridgefill::model::Tensor<1>,
+    cache: &mut KvCache,
+    cont: &[u32],
+    digits: &[usize],
+) -> Result<(String, f64)> {
+    let mut forced = cache.clone();
+    // `[c, vocab]`, flattened on the host: c is a handful of tokens.
+    let logp = to_host_f32(eval::continue_logp(model, last.clone(), cont, &mut forced)?);
+    drop(forced);
+    let vocab = model.config.vocab_size;
+    let nll = digits
+        .iter()
+        .map(|&i| -f64::from(logp[i * vocab + cont[i] as usize]))
+        .sum();
+    let mut logits = to_host_f32(last);
+    let mut answer = Vec::with_capacity(ANSWER_TOKENS);
+    for step in 0..ANSWER_TOKENS {
+        let t = sample::argmax(&logits);
+        answer.push(t);
+        if step + 1 < ANSWER_TOKENS {
+            logits = to_host_f32(model.decode_step(t, cache)?);
+        }
+    }
+    Ok((tok.decode(&answer, true)?, nll))
 }
 
 /// One method's score on one task at one length.

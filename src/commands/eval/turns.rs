@@ -15,12 +15,12 @@ use anyhow::Result;
 use ridgefill::interrupt;
 use ridgefill::io::chat::ChatMessage;
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::eval::continue_logp;
 use ridgefill::model::fill::{FillHistory, FillOptions, FillReport, Prefill};
-use ridgefill::model::{Decoder, KvCache, Tensor, sample, to_host_f32};
+use ridgefill::model::{Decoder, KvCache, Tensor, to_host_f32};
 use ridgefill::session::Loaded;
 
 use super::methods::{EvalMethod, Header, Runner};
+use super::retrieval::answer_and_key_nll;
 use super::tasks::{ANSWER_TOKENS, FACTS, Layout, Prose, Task, digit_positions};
 use crate::commands::common::{Bar, reusable_prefix};
 
@@ -198,9 +198,8 @@ struct Answer {
 
 /// What the last turn's prefill left.
 struct LastTurn {
-    /// Last-position logits, `[vocab]`, on the device and on the host.
+    /// Last-position logits, `[vocab]`.
     logits: Tensor<1>,
-    host: Vec<f32>,
     secs: f64,
     report: Option<FillReport>,
     /// Prompt rows taken from the cache.
@@ -247,13 +246,12 @@ fn prefill_turns(
                 (f.logits, Some(f.report))
             }
         };
-        // On the host: the prefill's time includes its logits, as a client's first token does.
-        let host = to_host_f32(logits.clone());
+        // Read back: the prefill's time includes its logits, as a client's first token does.
+        to_host_f32(logits.clone());
         let secs = t0.elapsed().as_secs_f64();
         if last {
             return Ok(LastTurn {
                 logits,
-                host,
                 secs,
                 report,
                 reused: p,
@@ -279,25 +277,15 @@ fn ask(
     let n = c.len();
     let mut cache = model.new_cache(n + ANSWER_TOKENS.max(c.cont.len()));
     let last = prefill_turns(model, runner, c, reuse, &mut cache)?;
-    let (report, mut logits) = (last.report, last.host);
-    let mut forced = cache.clone();
-    let logp = to_host_f32(continue_logp(model, last.logits, &c.cont, &mut forced)?);
-    drop(forced);
-    let vocab = model.config.vocab_size;
-    let nll = c
-        .digits
-        .iter()
-        .map(|&i| -f64::from(logp[i * vocab + c.cont[i] as usize]))
-        .sum();
-    let mut answer = Vec::with_capacity(ANSWER_TOKENS);
-    for step in 0..ANSWER_TOKENS {
-        let t = sample::argmax(&logits);
-        answer.push(t);
-        if step + 1 < ANSWER_TOKENS {
-            logits = to_host_f32(model.decode_step(t, &mut cache)?);
-        }
-    }
-    let text = ckpt.tokenizer.decode(&answer, true)?;
+    let report = last.report;
+    let (text, nll) = answer_and_key_nll(
+        model,
+        &ckpt.tokenizer,
+        last.logits,
+        &mut cache,
+        &c.cont,
+        &c.digits,
+    )?;
     Ok(Answer {
         depth: c.depth,
         hit: text.contains(&c.key),
