@@ -476,4 +476,26 @@ fn eval_passkey_turns_compares_cold_and_reused_prefills() {
     for a in row("fill+reuse")["answers"].as_array().unwrap() {
         assert!(a["fill"]["filled"].is_number(), "{a}");
     }
+
+    // A length the fixed turns alone exceed, and prose too short for the document.
+    let prose = prose.to_str().unwrap();
+    let turns = |length: &str, text: &str| {
+        let args = [
+            "--task",
+            "passkey-turns",
+            "--lengths",
+            length,
+            "--text",
+            text,
+        ];
+        let (ok, _, stderr) = eval(&s, &args);
+        assert!(!ok, "--lengths {length}");
+        stderr
+    };
+    let stderr = turns("64", prose);
+    assert!(stderr.contains("raise --lengths"), "{stderr}");
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, lines[..14].join("\n")).unwrap();
+    let stderr = turns("2000", short.to_str().unwrap());
+    assert!(stderr.contains("prose is too short"), "{stderr}");
 }
