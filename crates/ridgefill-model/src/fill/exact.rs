@@ -128,9 +128,10 @@ pub(crate) struct ExactRows<'a> {
 /// whose upper layers hold a slot for every position: those before `rows.from` from earlier
 /// prefills, the rest filled here; each exact row overwrites its slot and attends to every
 /// slot up to its own. With `maps.adapt`, each layer's maps are first updated from the exact
-/// rows at or after `rows.sink` (their true K/V at that layer). Returns the last exact row's hidden state and the
-/// self-check: the maps' error on those rows (before any update), relative to their spread,
-/// averaged over the upper layers (`None` when no exact row is past the sink).
+/// rows at or after `rows.sink` (their true K/V at that layer). Returns the last exact row's
+/// hidden state and the self-check: the maps' error on those rows (before any update),
+/// relative to their spread, averaged over the upper layers (`None` when no exact row is past
+/// the sink).
 ///
 /// # Shapes
 /// - h_split: `[n, hidden]` entering layer `split` → (`[1, hidden]`, error)

@@ -73,12 +73,12 @@ impl FillHistory {
         }
     }
 
-    /// The rows entering the split for positions `0..len` (`[len, hidden]`); positions with no
-    /// stored row (exact ones, never re-run) are zeros.
+    /// The rows entering the split for positions `0..len`; positions with no stored row (exact
+    /// ones, never re-run) are zeros of `like`'s width and dtype.
     ///
     /// # Shapes
     /// - → `[len, hidden]`
-    pub(crate) fn h_split(&self, len: usize, hidden: usize, like: &Tensor<2>) -> Tensor<2> {
+    pub(crate) fn h_split(&self, len: usize, like: &Tensor<2>) -> Tensor<2> {
         let stored = self.h_split.as_ref().map_or(0, |h| h.dims()[0].min(len));
         let mut parts = Vec::with_capacity(2);
         if let Some(h) = &self.h_split
@@ -87,7 +87,6 @@ impl FillHistory {
             parts.push(h.clone().narrow(0, 0, stored));
         }
         if len > stored {
-            debug_assert_eq!(like.dims()[1], hidden);
             let zero = like.clone().narrow(0, 0, 1).zeros_like();
             parts.push(zero.repeat_dim(0, len - stored));
         }

@@ -357,7 +357,7 @@ impl<'a> Prefill<'a> {
             .as_ref()
             .map_or_else(Vec::new, |b| b.exact_mask(self.from));
         if let Some(b) = &before {
-            let old = b.h_split(self.from, model.config.hidden_size, &h_split);
+            let old = b.h_split(self.from, &h_split);
             h_split = Tensor::cat(vec![old, h_split], 0);
         }
         let h_last = match self.opts.maps {
