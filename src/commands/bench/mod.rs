@@ -180,10 +180,11 @@ fn load_modes<'a>(
         adapt_weight: None,
         sink: a.sink,
         tail: a.tail,
-        // Bench prompts are random tokens: no question to find, no self-check to fail.
+        // Bench prompts are random tokens: no question to find, and no self-check, which
+        // random tokens would fail (the fill file's default would run them exactly).
         question: 0,
         sentence_reach: ridgefill::model::fill::DEFAULT_SENTENCE_REACH,
-        max_error: None,
+        max_error: Some(f64::INFINITY),
         deeper: Vec::new(),
     };
     if let Some(path) = &a.fill {

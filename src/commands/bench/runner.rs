@@ -71,8 +71,12 @@ impl<'a> Runner<'a> {
         self.cache.reset();
         let logits = match maps {
             None => self.model.prefill(ids, &mut self.cache)?,
-            Some(m) => Prefill::run(self.model, ids, &mut self.cache, FillOptions::fill(m, rows))
-                .map(|f| f.logits)?,
+            Some(m) => filled(Prefill::run(
+                self.model,
+                ids,
+                &mut self.cache,
+                FillOptions::fill(m, rows),
+            )?)?,
         };
         Ok(sample::argmax(&to_host_f32(logits)))
     }
@@ -115,8 +119,7 @@ impl<'a> Runner<'a> {
                 .iter()
                 .zip(&mut caches)
                 .map(|(p, c)| {
-                    let l = Prefill::run(self.model, p, c, FillOptions::fill(m, rows))
-                        .map(|f| f.logits)?;
+                    let l = filled(Prefill::run(self.model, p, c, FillOptions::fill(m, rows))?)?;
                     Ok(sample::argmax(&to_host_f32(l)))
                 })
                 .collect::<Result<_>>()?,
@@ -203,4 +206,16 @@ pub(super) fn alternate(
         }
     }
     Ok(out)
+}
+
+/// A fill prefill's logits, or an error when its self-check ran it exactly: a fill row must
+/// time the fill, not full prefill under the fill's name.
+fn filled(f: ridgefill::model::fill::Filled) -> Result<ridgefill::model::Tensor<1>> {
+    if f.report.fell_back {
+        anyhow::bail!(
+            "bench: the fill's self-check ran the prompt exactly (error {:?}); the fill row would time full prefill",
+            f.report.error
+        );
+    }
+    Ok(f.logits)
 }
