@@ -8,9 +8,9 @@
 //! completion tokens): a new request takes the idle cache with the longest common token prefix
 //! (ties: least recently used) and prefills only the rest, as llama-server's `cache_prompt` and
 //! vLLM's prefix caching do (a copy of it when that prefix is under half of what it holds, so a
-//! short shared prefix does not cost another conversation its cache). The `parallel` most recently used idle caches stay (one per slot),
-//! and older ones while they fit in `cache_ram` bytes (llama-server's `--cache-ram`), the least
-//! recently used dropped first. A fill request continues a cached prefix with skip-and-fill
+//! short shared prefix does not cost another conversation its cache). The `parallel` most
+//! recently used idle caches stay (one per slot), and older ones while they fit in `cache_ram`
+//! bytes (llama-server's `--cache-ram`), the least recently used dropped first. A fill request continues a cached prefix with skip-and-fill
 //! ([`Prefill::resume`]): its question's spans may re-run rows an earlier request filled, from
 //! the split input the cache's [`FillHistory`] keeps. A request that runs every layer reuses a
 //! prefix only where all its rows are exact. A request that fails or whose client goes away
