@@ -310,6 +310,8 @@ fn bench_with_a_fitted_fill_file() {
         "4",
         "-p",
         "32",
+        "--pp-depth",
+        "40",
         "-n",
         "0",
         "-r",
@@ -323,8 +325,26 @@ fn bench_with_a_fitted_fill_file() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 2);
-    assert_eq!(rows[1]["mode"], "fill");
+    let tests: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r["test"].as_str().unwrap(), r["mode"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        tests,
+        [
+            ("pp32", "full"),
+            ("pp32", "fill"),
+            ("pp32 @ d40", "full"),
+            ("pp32 @ d40", "fill"),
+        ]
+    );
+    // A prefill over a cached context holds the context's rows too.
+    for (r, positions) in [(&rows[2], 72), (&rows[3], 72), (&rows[0], 32)] {
+        assert_eq!(r["n_depth"], if positions == 72 { 40 } else { 0 });
+        let per = rows[0]["kv_bytes"].as_u64().unwrap() / 32;
+        assert_eq!(r["kv_bytes"].as_u64().unwrap(), per * positions);
+        assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
+    }
     // `fit` records the shipped method; `bench` runs what the file records.
     assert_eq!(rows[1]["fill_maps"], "fitted spans-adapt");
     assert_eq!(rows[1]["split"], 1);

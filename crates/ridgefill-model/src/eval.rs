@@ -251,6 +251,22 @@ pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<Skip>) -> f64 {
     total + scoring + adapt + head
 }
 
+/// FLOPs of full prefill of `n` tokens after `depth` cached positions (a follow-up turn over a
+/// reused prefix), plus `restored` earlier rows re-run through the layers from `split` up
+/// (skip-and-fill over a filled prefix), each counted attending to half the prefix.
+pub fn prefill_flops_at(c: &ModelConfig, depth: usize, n: usize, restored: (usize, usize)) -> f64 {
+    let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
+    let (split, rows) = restored;
+    (0..c.num_hidden_layers)
+        .map(|l| {
+            let new: f64 = (0..n).map(|i| row_flops(c, l, depth + i + 1)).sum();
+            let old = if l >= split { rows } else { 0 };
+            new + old as f64 * row_flops(c, l, depth / 2 + 1)
+        })
+        .sum::<f64>()
+        + head
+}
+
 /// FLOPs of one decode step with `ctx` positions already cached.
 pub fn decode_flops(c: &ModelConfig, ctx: usize) -> f64 {
     let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 use ridgefill::model::DeviceChoice;
-use ridgefill::model::eval::{Skip, decode_flops, prefill_flops};
+use ridgefill::model::eval::{Skip, decode_flops, prefill_flops, prefill_flops_at};
 use ridgefill::model::fill::{DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, FillMaps, FillMethod, FillRows};
 use ridgefill::session::dtype_name;
 
@@ -75,6 +75,12 @@ pub struct Args {
     /// fill mode decodes over a cache whose upper layers hold predicted K/V.
     #[arg(short = 'd', long = "n-depth", default_value_t = 512)]
     pub n_depth: usize,
+    /// Prefill over a cached context, comma-separated depths (llama-bench's `-d` on pp tests):
+    /// `ppN @ dD` rows time N new tokens after D positions prefilled untimed by the row's mode,
+    /// as a follow-up turn over a reused prefix; fill rows resume over the filled prefix and
+    /// re-run the spans the new rows choose among its filled rows (counted in the FLOPs).
+    #[arg(long = "pp-depth", value_delimiter = ',')]
+    pub pp_depth: Vec<usize>,
     /// Timed repetitions after one warm-up run.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub reps: usize,
@@ -232,7 +238,8 @@ fn load_modes<'a>(
 
 fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> {
     let max_p = a.n_prompt.iter().copied().max().unwrap_or(0);
-    let capacity = max_p.max(a.n_depth + a.n_gen).max(1) + 1;
+    let max_pp_depth = a.pp_depth.iter().copied().max().unwrap_or(0);
+    let capacity = (max_p + max_pp_depth).max(a.n_depth + a.n_gen).max(1) + 1;
     let loaded = load_any(&a.model.on(choice), capacity)?;
     let model = &loaded.model;
     let mut own = None;
@@ -279,7 +286,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
     let pp_batches = std::iter::once(1).chain(a.batch.iter().copied().filter(|&b| b > 1));
     for batch in pp_batches {
         for &n in a.n_prompt.iter().filter(|&&n| n > 0) {
-            let kind = RowKind::Pp { n, batch };
+            let kind = RowKind::Pp { n, depth: 0, batch };
             eprintln!("bench: {backend} {}", kind.label());
             let series = alternate(&modes, true, a.reps, |m| {
                 runner.time_pp_batch(n, batch, m, modes.rows)
@@ -302,6 +309,36 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
                 |m| (flops(m), None),
                 |n| model.kv_bytes(n) * batch,
             ));
+        }
+    }
+    for &depth in a.pp_depth.iter().filter(|&&d| d > 0) {
+        for &n in a.n_prompt.iter().filter(|&&n| n > 0) {
+            let kind = RowKind::Pp { n, depth, batch: 1 };
+            eprintln!("bench: {backend} {}", kind.label());
+            // Earlier rows each fill repetition re-ran, by mode (fill or every row).
+            let mut restored: Vec<(Option<bool>, usize)> = Vec::new();
+            let series = alternate(&modes, true, a.reps, |m| {
+                let (secs, r) = runner.time_pp_depth(depth, n, m, modes.rows)?;
+                restored.push((m.map(|m| m.fill_unread), r));
+                Ok(secs)
+            })?;
+            let flops = |m: Option<&FillMaps>| {
+                let key = m.map(|m| m.fill_unread);
+                let rs: Vec<usize> = restored
+                    .iter()
+                    .filter(|(k, _)| *k == key)
+                    .map(|(_, r)| *r)
+                    .collect();
+                let mean = rs.iter().sum::<usize>() / rs.len().max(1);
+                let split = m.map_or(0, |m| m.split);
+                (
+                    prefill_flops_at(&model.config, depth, n, (split, mean)),
+                    None,
+                )
+            };
+            rows.extend(make_rows(&header, &modes, &series, kind, flops, |n| {
+                model.kv_bytes(n)
+            }));
         }
     }
     for &batch in a.batch.iter().filter(|_| a.n_gen > 0) {

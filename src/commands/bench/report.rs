@@ -98,6 +98,8 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
 pub(super) enum RowKind {
     Pp {
         n: usize,
+        /// Positions already cached before the prompt's `n` (llama-bench's `pp512 @ d4096`).
+        depth: usize,
         batch: usize,
     },
     Tg {
@@ -111,8 +113,14 @@ impl RowKind {
     /// The row's `test` column, llama-bench style.
     pub(super) fn label(&self) -> String {
         match *self {
-            RowKind::Pp { n, batch: 1 } => format!("pp{n}"),
-            RowKind::Pp { n, batch } => format!("pp{n} x b{batch}"),
+            RowKind::Pp {
+                n,
+                depth: 0,
+                batch: 1,
+            } => format!("pp{n}"),
+            RowKind::Pp { n, depth: 0, batch } => format!("pp{n} x b{batch}"),
+            RowKind::Pp { n, depth, batch: 1 } => format!("pp{n} @ d{depth}"),
+            RowKind::Pp { n, depth, batch } => format!("pp{n} @ d{depth} x b{batch}"),
             RowKind::Tg { n, depth, batch: 1 } => format!("tg{n} @ d{depth}"),
             RowKind::Tg { n, depth, batch } => format!("tg{n} @ d{depth} x b{batch}"),
         }
@@ -131,7 +139,7 @@ pub(super) fn make_rows(
     let test = kind.label();
     let (n_prompt, n_gen, n_depth, tokens) = match kind {
         // Aggregate tokens of every sequence in the batch.
-        RowKind::Pp { n, batch } => (n, 0, 0, n * batch),
+        RowKind::Pp { n, depth, batch } => (n, 0, depth, n * batch),
         RowKind::Tg { n, depth, batch } => (0, n, depth, n * batch),
     };
     let full_ts: Vec<f64> = series[0].secs.iter().map(|s| tokens as f64 / s).collect();
@@ -177,7 +185,7 @@ pub(super) fn make_rows(
                 n_gen,
                 n_depth,
                 n_reps: s.secs.len(),
-                kv_bytes: header_kv(n_prompt.max(n_depth + n_gen)),
+                kv_bytes: header_kv(n_prompt + n_depth + n_gen),
                 avg_ns,
                 stddev_ns,
                 avg_ts,

@@ -129,6 +129,53 @@ impl<'a> Runner<'a> {
         Ok(secs)
     }
 
+    /// Seconds from `n` new prompt ids to the first sampled token when the cache already holds
+    /// `depth` positions (prefilled untimed by the same mode), and the earlier rows the new ones
+    /// re-ran: full prefill continues the cache; skip-and-fill resumes over the filled prefix
+    /// ([`Prefill::over`]), re-running the spans its new rows choose among the filled ones.
+    pub(super) fn time_pp_depth(
+        &mut self,
+        depth: usize,
+        n: usize,
+        maps: Option<&FillMaps>,
+        rows: FillRows,
+    ) -> Result<(f64, usize)> {
+        self.cache.reset();
+        let mut ids = self.ids(depth);
+        let history = match maps {
+            None => {
+                self.model.prefill(&ids, &mut self.cache)?;
+                None
+            }
+            Some(m) => {
+                let f = Prefill::run(
+                    self.model,
+                    &ids,
+                    &mut self.cache,
+                    FillOptions::fill(m, rows),
+                )?;
+                let history = f.history.clone();
+                filled(f)?;
+                history
+            }
+        };
+        let new = self.ids(n);
+        ids.extend_from_slice(&new);
+        let t = Instant::now();
+        let (logits, restored) = match maps {
+            None => (self.model.prefill(&new, &mut self.cache)?, 0),
+            Some(m) => {
+                let opts = FillOptions::fill(m, rows);
+                let f = Prefill::over(self.model, &ids, &self.cache, history, opts)?
+                    .finish(&mut self.cache)?;
+                let restored = f.report.restored;
+                (filled(f)?, restored)
+            }
+        };
+        sample::argmax(&to_host_f32(logits));
+        Ok((t.elapsed().as_secs_f64(), restored))
+    }
+
     /// Seconds for `n_gen` batched greedy decode steps of `batch` sequences, each after an
     /// untimed prefill of its own `depth` tokens.
     pub(super) fn time_tg_batch(
