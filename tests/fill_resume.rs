@@ -1,10 +1,11 @@
 //! Skip-and-fill over a cache that holds an earlier prefill ([`Prefill::resume`]): the new rows
 //! land at their own positions, and the spans a later question chooses in rows an earlier
-//! prefill filled run exactly and replace the predictions in the cache.
+//! prefill filled run exactly and replace the predictions in the cache; settling ([`settle`])
+//! runs every filled row so, in idle time.
 
 mod common;
 
-use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill};
+use ridgefill::model::fill::{FillMaps, FillOptions, FillRows, Prefill, settle};
 use ridgefill::model::{Decoder, KvCache, to_host_f32};
 use ridgefill_testkit::fill::{gqa_model, gqa_model_on, random_maps, spans_rows};
 use ridgefill_testkit::{prompt, tiny};
@@ -124,6 +125,80 @@ fn a_later_prefill_restores_the_earlier_rows_its_spans_choose() {
     assert!(
         d > 1e-2,
         "unrestored rows kept full prefill's K/V (max |Δ| {d})"
+    );
+}
+
+/// Settling a cache that random maps filled: every filled row runs from its stored split input,
+/// earliest first. At split 2 the first upper layer then holds full prefill's K/V (they depend
+/// on that input alone), chunks of 7 rows give what one batch gives, and nothing is left to
+/// settle; with one upper layer (split 3) the cache is full prefill's, so the next decode step
+/// is too — where before settling it was not.
+#[test]
+fn settling_a_filled_cache_runs_every_filled_row_exactly() {
+    common::init();
+    let model = gqa_model(4, true);
+    let ids = prompt(FIRST + 1, model.config.vocab_size);
+    let mut full_cache = model.new_cache(FIRST + 1);
+    model.prefill(&ids[..FIRST], &mut full_cache).unwrap();
+    let full_next = to_host_f32(model.decode_step(ids[FIRST], &mut full_cache).unwrap());
+    let rows = spans_rows(4, 0.05, 4);
+    let filled = |split: usize| {
+        let maps = maps_at(&model, split, 31);
+        let mut cache = model.new_cache(FIRST + 1);
+        let opts = FillOptions::fill(&maps, rows);
+        let f = Prefill::run(&model, &ids[..FIRST], &mut cache, opts).unwrap();
+        assert!(f.report.filled > 0, "{:?}", f.report);
+        (cache, f.history.unwrap(), f.report.filled)
+    };
+
+    let (mut whole, mut history, n_filled) = filled(2);
+    let ran = settle(&model, &mut whole, &mut history, usize::MAX).unwrap();
+    assert_eq!(ran, n_filled);
+    assert_eq!(history.filled(FIRST), 0);
+    assert_eq!(
+        settle(&model, &mut whole, &mut history, usize::MAX).unwrap(),
+        0
+    );
+    let (mut chunked, mut history, _) = filled(2);
+    let mut total = 0;
+    loop {
+        let ran = settle(&model, &mut chunked, &mut history, 7).unwrap();
+        assert!(ran <= 7);
+        if ran == 0 {
+            break;
+        }
+        total += ran;
+    }
+    assert_eq!(total, n_filled);
+    for l in 2..4 {
+        let d = common::max_abs_diff(
+            &kv_rows(&whole, l, 0..FIRST),
+            &kv_rows(&chunked, l, 0..FIRST),
+        );
+        assert!(
+            d < 1e-4,
+            "layer {l}: settled in chunks vs at once max |Δ| {d}"
+        );
+    }
+    let d = common::max_abs_diff(
+        &kv_rows(&full_cache, 2, 0..FIRST),
+        &kv_rows(&whole, 2, 0..FIRST),
+    );
+    assert!(d < 1e-4, "settled layer-2 K/V vs full prefill max |Δ| {d}");
+
+    let (mut cache, mut history, _) = filled(3);
+    let unsettled = to_host_f32(model.decode_step(ids[FIRST], &mut cache.clone()).unwrap());
+    let d = common::max_abs_diff(&full_next, &unsettled);
+    assert!(
+        d > 1e-2,
+        "random maps already gave full prefill's logits (max |Δ| {d})"
+    );
+    settle(&model, &mut cache, &mut history, usize::MAX).unwrap();
+    let next = to_host_f32(model.decode_step(ids[FIRST], &mut cache).unwrap());
+    let d = common::max_abs_diff(&full_next, &next);
+    assert!(
+        d < 1e-4,
+        "decode after settling vs full prefill max |Δ| {d}"
     );
 }
 

@@ -7,7 +7,9 @@
 //! Stored per prompt row: `hidden` activations (576 floats for SmolLM2-135M, against its
 //! `2 · 30 · 192` floats of K/V: 5%). Rows past the stored ones (decoded tokens) ran every layer.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use crate::error::{ModelError, Result};
 
 /// Which rows of a cache hold filled upper-layer K/V, and what re-running them needs.
 #[derive(Clone)]
@@ -62,6 +64,46 @@ impl FillHistory {
         (0..len)
             .map(|i| self.exact.get(i).copied().unwrap_or(true))
             .collect()
+    }
+
+    /// The first `max` positions among `0..len` whose upper-layer K/V are predictions.
+    pub fn filled_positions(&self, len: usize, max: usize) -> Vec<usize> {
+        let filled = self
+            .exact
+            .iter()
+            .take(len)
+            .enumerate()
+            .filter(|(_, e)| !**e);
+        filled.map(|(i, _)| i).take(max).collect()
+    }
+
+    /// Records the rows at `positions` as exact (their upper layers ran).
+    pub(crate) fn mark_exact(&mut self, positions: &[usize]) {
+        for &p in positions {
+            if let Some(e) = self.exact.get_mut(p) {
+                *e = true;
+            }
+        }
+    }
+
+    /// The stored rows entering the split at `positions` (each one with a stored row).
+    ///
+    /// # Shapes
+    /// - positions: `[m]` → `[m, hidden]`
+    pub(crate) fn h_split_rows(&self, positions: &[usize], device: &Device) -> Result<Tensor<2>> {
+        let stored = self.h_split.as_ref().map_or(0, |h| h.dims()[0]);
+        match (&self.h_split, positions.iter().find(|&&p| p >= stored)) {
+            (Some(h), None) => {
+                let ids: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+                let ids =
+                    Tensor::<1, Int>::from_data(TensorData::new(ids, [positions.len()]), device);
+                Ok(h.clone().select(0, ids))
+            }
+            (_, p) => Err(ModelError::Invalid(format!(
+                "the fill history keeps the split input of {stored} rows, not of row {}",
+                p.copied().unwrap_or(0)
+            ))),
+        }
     }
 
     /// Forgets positions from `len` on.

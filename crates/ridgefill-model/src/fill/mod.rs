@@ -5,12 +5,14 @@
 //! [`FillOptions`] says what it fills with and which rows run exactly. The maps and the
 //! per-prompt update live here, span choice in [`spans`], the upper layers' plan in [`upper`],
 //! their exact pass and the cache writes in [`exact`], what a later prefill over the same cache
-//! needs in [`history`], the diagnosis in [`oracle`].
+//! needs in [`history`], making that cache exact in idle time in [`settle`], the diagnosis in
+//! [`oracle`].
 
 pub mod exact;
 pub mod history;
 pub mod oracle;
 pub mod prefill;
+pub mod settle;
 pub mod spans;
 pub mod upper;
 
@@ -24,6 +26,7 @@ use crate::error::{ModelError, Result};
 pub use history::FillHistory;
 pub use oracle::Oracle;
 pub use prefill::{FillOptions, FillReport, Filled, Prefill};
+pub use settle::settle;
 pub use spans::{choose_new_spans, choose_spans, window_reads};
 
 /// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM.
