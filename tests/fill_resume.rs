@@ -159,6 +159,11 @@ fn settling_a_filled_cache_runs_every_filled_row_exactly() {
         settle(&model, &mut whole, &mut history, usize::MAX).unwrap(),
         0
     );
+    // Settled rows ran over predictions once: only the sink stays full prefill's own.
+    assert!(history.ever_filled() && !history.pristine_upto(FIRST));
+    assert!(history.pristine_upto(rows.sink));
+    history.truncate(rows.sink);
+    assert!(!history.ever_filled());
     let (mut chunked, mut history, _) = filled(2);
     let mut total = 0;
     loop {

@@ -21,6 +21,10 @@ pub struct FillHistory {
     /// Per position `0..exact.len()`, whether its upper-layer K/V are exact; positions past it
     /// (decoded tokens) are exact.
     exact: Vec<bool>,
+    /// The first position ever filled. Rows before it hold full prefill's K/V; rows from it on
+    /// ran their upper layers over predictions, even those run exactly since (restored or
+    /// settled): close to full prefill's, not equal. `None`: nothing was ever filled.
+    first_filled: Option<usize>,
 }
 
 impl FillHistory {
@@ -31,6 +35,7 @@ impl FillHistory {
         Self {
             split,
             h_split: Some(h_split),
+            first_filled: exact.iter().position(|e| !e),
             exact,
         }
     }
@@ -41,7 +46,29 @@ impl FillHistory {
             split,
             h_split: None,
             exact: vec![true; n],
+            first_filled: None,
         }
+    }
+
+    /// This history as the continuation of `before`, the history of the cache it was resumed
+    /// over: a row filled then stays the first ever filled, though it may be exact now.
+    pub(crate) fn continuing(mut self, before: Option<&FillHistory>) -> Self {
+        if let Some(f) = before.and_then(|b| b.first_filled) {
+            self.first_filled = Some(self.first_filled.map_or(f, |g| g.min(f)));
+        }
+        self
+    }
+
+    /// Whether the first `len` positions hold exactly full prefill's K/V: none of them was ever
+    /// filled, nor ran over a filled row. Only such a prefix may serve a request that asked for
+    /// full prefill.
+    pub fn pristine_upto(&self, len: usize) -> bool {
+        self.first_filled.is_none_or(|f| len <= f)
+    }
+
+    /// Whether any row of this cache was ever filled.
+    pub fn ever_filled(&self) -> bool {
+        self.first_filled.is_some()
     }
 
     /// Positions whose exactness is recorded (later ones are exact).
@@ -52,11 +79,6 @@ impl FillHistory {
     /// Rows among the first `len` whose upper-layer K/V are predictions.
     pub fn filled(&self, len: usize) -> usize {
         self.exact.iter().take(len).filter(|e| !**e).count()
-    }
-
-    /// Whether every upper-layer row among the first `len` positions is exact.
-    pub fn exact_upto(&self, len: usize) -> bool {
-        self.filled(len) == 0
     }
 
     /// Per position `0..len`, whether its upper-layer K/V are exact.
@@ -84,6 +106,10 @@ impl FillHistory {
                 *e = true;
             }
         }
+        // With nothing left to re-run, the stored inputs are dead weight.
+        if self.filled(self.exact.len()) == 0 {
+            self.h_split = None;
+        }
     }
 
     /// The stored rows entering the split at `positions` (each one with a stored row).
@@ -109,6 +135,7 @@ impl FillHistory {
     /// Forgets positions from `len` on.
     pub fn truncate(&mut self, len: usize) {
         self.exact.truncate(len);
+        self.first_filled = self.first_filled.filter(|&f| f < len);
         if let Some(h) = self.h_split.take() {
             let rows = h.dims()[0].min(len);
             self.h_split = (rows > 0).then(|| h.narrow(0, 0, rows));

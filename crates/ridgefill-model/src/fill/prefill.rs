@@ -403,7 +403,8 @@ impl<'a> Prefill<'a> {
                     }
                 }
                 if upper.split.is_none_or(|s| s == maps.split) {
-                    self.history = Some(FillHistory::new(maps.split, h_split, exact));
+                    let h = FillHistory::new(maps.split, h_split, exact);
+                    self.history = Some(h.continuing(before.as_ref()));
                 }
                 self.spans = upper.spans;
                 upper.h_last
