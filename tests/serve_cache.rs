@@ -1,7 +1,8 @@
 //! `ridgefill serve` reusing prompt prefixes across requests, on SmolLM2: a request sharing a
 //! finished request's prefix prefills only the rest (`usage.prompt_tokens_details.cached_tokens`,
 //! `/metrics`), and answers exactly as with `"cache_prompt": false`; a cache whose rows were
-//! filled is never reused by a request that runs every layer.
+//! filled is never reused by a request that runs every layer, not even once an idle server has
+//! settled its filled rows.
 
 mod common;
 
@@ -125,6 +126,52 @@ fn filled_rows_are_reused_only_by_filling_requests() {
     let (status, v) = post(port, "/v1/chat/completions", &ask(q, json!({})));
     assert_eq!(status, 200, "{v}");
     assert!(v["usage"]["fill_report"]["restored_rows"].is_u64(), "{v}");
+}
+
+/// An idle server settles a finished fill request's filled rows (`/metrics` counts them); the
+/// same conversation continued then reuses the cache and its spans restore nothing, and a
+/// request without fill still does not reuse it. `--no-settle` leaves the rows filled.
+#[test]
+fn an_idle_server_settles_filled_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, fill) = quick_fill(dir.path());
+    let fill = fill.to_str().unwrap();
+    let q = "Where are the atlases?";
+    let filled_rows = |v: &Value| v["usage"]["fill_report"]["filled_rows"].as_u64().unwrap();
+    let restored = |v: &Value| v["usage"]["fill_report"]["restored_rows"].as_u64().unwrap();
+    let server = start(&["--fill", fill, "--ctx", "1024"]);
+    let port = server.port;
+    let (status, first) = post(port, "/v1/chat/completions", &ask(q, json!({})));
+    assert_eq!(status, 200, "{first}");
+    assert!(filled_rows(&first) > 0, "{first}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while counter(port, "settled_rows_total") < filled_rows(&first) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "settling never finished"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(counter(port, "settled_rows_total"), filled_rows(&first));
+    let (status, again) = post(port, "/v1/chat/completions", &ask(q, json!({})));
+    assert_eq!(status, 200, "{again}");
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0 && restored(&again) == 0, "{again}");
+    let (_, _, c) = chat(port, &ask(q, json!({"fill": false})));
+    assert_eq!(c, 0, "a request without fill reused a settled cache");
+    drop(server);
+
+    let server = start(&["--fill", fill, "--ctx", "1024", "--no-settle"]);
+    let port = server.port;
+    let (status, _) = post(port, "/v1/chat/completions", &ask(q, json!({})));
+    assert_eq!(status, 200);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(counter(port, "settled_rows_total"), 0);
+    let (status, again) = post(port, "/v1/chat/completions", &ask(q, json!({})));
+    assert_eq!(status, 200, "{again}");
+    assert!(restored(&again) > 0, "{again}");
 }
 
 /// One slot, two conversations taking turns: the host cache (`--cache-ram`) keeps the one the

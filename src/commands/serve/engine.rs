@@ -1,20 +1,26 @@
 //! The scheduler: one thread owns the model and runs continuous batching over up to `parallel`
 //! sequences. Between decode steps it admits queued requests and prefills one chunk of one
 //! prompt (skip-and-fill too), so a long prompt delays the running streams by at most one chunk
-//! per step; every
-//! sequence that is decoding advances in one batched step ([`Decoder::decode_batch`](ridgefill::model::Decoder::decode_batch)).
+//! per step; every sequence that is decoding advances in one batched step
+//! ([`Decoder::decode_batch`](ridgefill::model::Decoder::decode_batch)).
 //!
 //! A finished request leaves its cache behind, with the tokens it holds (prompt and the fed
 //! completion tokens): a new request takes the idle cache with the longest common token prefix
 //! (ties: least recently used) and prefills only the rest, as llama-server's `cache_prompt` and
 //! vLLM's prefix caching do (a copy of it when that prefix is under half of what it holds, so a
-//! short shared prefix does not cost another conversation its cache). The `parallel` most
-//! recently used idle caches stay (one per slot), and older ones while they fit in `cache_ram`
-//! bytes (llama-server's `--cache-ram`), the least recently used dropped first. A fill request continues a cached prefix with skip-and-fill
-//! ([`Prefill::resume`]): its question's spans may re-run rows an earlier request filled, from
-//! the split input the cache's [`FillHistory`] keeps. A request that runs every layer reuses a
-//! prefix only where all its rows are exact. A request that fails or whose client goes away
-//! drops its cache, so no half-written cache is ever reused.
+//! short shared prefix does not cost another conversation its cache). The `parallel` most recently
+//! used idle caches stay (one per slot), and older ones while they fit in `cache_ram` bytes
+//! (llama-server's `--cache-ram`), the least recently used dropped first. A fill request continues
+//! a cached prefix with skip-and-fill ([`Prefill::resume`]): its question's spans may re-run rows
+//! an earlier request filled, from the split input the cache's [`FillHistory`] keeps. A request
+//! that runs every layer reuses a prefix only where no row was ever filled. A request that fails or
+//! whose client goes away drops its cache, so no half-written cache is ever reused.
+//!
+//! While no request is running or waiting, the scheduler settles the most recently used idle
+//! cache that still holds filled rows ([`settle`], [`SETTLE_ROWS`] rows at a time, checking the
+//! queue between batches): a conversation's next fill turn then reuses a cache with no
+//! predictions left and re-runs no spans (`--no-settle` leaves them filled). A settled cache
+//! still serves only filling requests: its rows ran over predictions once.
 //!
 //! A request asking for log-probabilities gets them from the same logits it samples from; one
 //! that wants its prompt's (OpenAI's `echo` with `logprobs`, what evaluation harnesses score
@@ -23,11 +29,13 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
-use ridgefill::model::fill::{FillHistory, FillMaps, FillOptions, FillReport, FillRows, Prefill};
+use ridgefill::model::fill::{
+    FillHistory, FillMaps, FillOptions, FillReport, FillRows, Prefill, settle,
+};
 use ridgefill::model::sample::sample_rows;
 use ridgefill::model::{Decoder, decoder::PREFILL_CHUNK};
 use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
@@ -38,6 +46,9 @@ use crate::commands::common::reusable_prefix;
 
 /// How long the idle scheduler waits for a request before checking for shutdown.
 const IDLE_POLL: Duration = Duration::from_millis(50);
+/// Filled rows settled per idle batch: a request arriving meanwhile waits for at most one
+/// (~40 ms for SmolLM2's upper half over a 3000-token cache on 2 cores).
+pub const SETTLE_ROWS: usize = 32;
 
 /// One generation request, tokenised and checked by the HTTP layer.
 pub struct Job {
@@ -149,8 +160,8 @@ struct Idle {
     cache: KvCache,
     /// The tokens the cache holds, in order.
     tokens: Vec<u32>,
-    /// Which rows' upper-layer K/V were filled, and what re-running them needs (`None`: every
-    /// row is exact).
+    /// Which rows' upper-layer K/V were filled, and what re-running them needs (`None`: nothing
+    /// was ever filled, every row is full prefill's).
     history: Option<FillHistory>,
     /// When it was left, in finished requests: the smallest is the least recently used.
     used: u64,
@@ -202,6 +213,8 @@ pub struct Engine<'m> {
     pub cache_prompt: bool,
     /// Bytes of idle caches kept beyond the `parallel` most recent (`--cache-ram`).
     pub cache_ram: usize,
+    /// Settle idle caches' filled rows while nothing else runs (`--no-settle` turns it off).
+    pub settle: bool,
 }
 
 impl<'m> Engine<'m> {
@@ -232,10 +245,16 @@ impl<'m> Engine<'m> {
             // Admit: new requests join between steps.
             while active.len() < self.parallel {
                 let job = if active.is_empty() {
-                    match queue.recv_timeout(IDLE_POLL) {
+                    match queue.try_recv() {
                         Ok(j) => j,
-                        Err(RecvTimeoutError::Timeout) => break,
-                        Err(RecvTimeoutError::Disconnected) => return,
+                        Err(TryRecvError::Disconnected) => return,
+                        // Idle: settle one batch of filled rows, then look at the queue again.
+                        Err(TryRecvError::Empty) if self.settle_some(&mut idle) => break,
+                        Err(TryRecvError::Empty) => match queue.recv_timeout(IDLE_POLL) {
+                            Ok(j) => j,
+                            Err(RecvTimeoutError::Timeout) => break,
+                            Err(RecvTimeoutError::Disconnected) => return,
+                        },
                     }
                 } else {
                     match queue.try_recv() {
@@ -319,9 +338,10 @@ impl<'m> Engine<'m> {
         // Prompt logprobs need every position's logits: full prefill.
         let fill = job.fill && self.fill.is_some() && job.prompt_logprobs.is_none();
         let reusable = self.cache_prompt && job.cache_prompt && job.prompt_logprobs.is_none();
-        // A filling request resumes any cache; an exact one only an exact prefix.
+        // A filling request resumes any cache; an exact one only a prefix nothing was ever
+        // filled in (rows restored or settled since ran over predictions).
         let usable =
-            |e: &Idle, p: usize| fill || e.history.as_ref().is_none_or(|h| h.exact_upto(p));
+            |e: &Idle, p: usize| fill || e.history.as_ref().is_none_or(|h| h.pristine_upto(p));
         let best = idle
             .iter()
             .enumerate()
@@ -479,8 +499,8 @@ impl<'m> Engine<'m> {
         if s.filled && s.history.is_none() {
             return;
         }
-        // Rows past the history's are the decoded tokens: exact.
-        let history = s.history.filter(|h| h.filled(h.recorded()) > 0);
+        // A cache nothing was ever filled in is full prefill's: no history needed.
+        let history = s.history.filter(FillHistory::ever_filled);
         idle.push(Idle {
             cache: s.cache,
             tokens: s.tokens,
@@ -488,6 +508,47 @@ impl<'m> Engine<'m> {
             used: finished,
         });
         self.evict(idle);
+    }
+
+    /// Settles up to [`SETTLE_ROWS`] filled rows of the most recently used idle cache that has
+    /// any (its stored split input is dropped once none is left). Returns whether it did any
+    /// work. A cache whose settling fails is dropped: it may be half-written.
+    fn settle_some(&self, idle: &mut Vec<Idle>) -> bool {
+        if !self.settle {
+            return false;
+        }
+        let unsettled = |e: &Idle| {
+            e.history
+                .as_ref()
+                .is_some_and(|h| h.filled(h.recorded()) > 0)
+        };
+        let Some(i) = (0..idle.len())
+            .filter(|&i| unsettled(&idle[i]))
+            .max_by_key(|&i| idle[i].used)
+        else {
+            return false;
+        };
+        let e = &mut idle[i];
+        let Some(h) = e.history.as_mut() else {
+            return false;
+        };
+        let t0 = Instant::now();
+        match settle(self.model, &mut e.cache, h, SETTLE_ROWS) {
+            Ok(rows) => {
+                self.metrics.record_settled(rows, t0.elapsed());
+                // Settled through: its stored split input was dropped (the bytes gauge falls).
+                if h.filled(h.recorded()) == 0 {
+                    self.evict(idle);
+                }
+                true
+            }
+            Err(err) => {
+                eprintln!("serve: dropping an idle cache whose settling failed: {err}");
+                idle.swap_remove(i);
+                self.evict(idle);
+                true
+            }
+        }
     }
 
     /// Keeps the `parallel` most recently used idle caches, then older ones while their bytes

@@ -41,6 +41,9 @@ struct Inner {
     cache_miss_tokens: u64,
     decode_tokens: u64,
     decode_seconds: f64,
+    /// Filled rows of idle caches run exactly while the server was idle, and the time it took.
+    settled_rows: u64,
+    settle_seconds: f64,
     decode_steps: u64,
     ttft_counts: [u64; TTFT_BUCKETS.len()],
     ttft_sum: f64,
@@ -59,6 +62,14 @@ impl Metrics {
         self.with(|m| {
             m.cache_hit_tokens += hit as u64;
             m.cache_miss_tokens += miss as u64;
+        });
+    }
+
+    /// One idle batch of settling that ran `rows` filled rows exactly.
+    pub fn record_settled(&self, rows: usize, took: Duration) {
+        self.with(|m| {
+            m.settled_rows += rows as u64;
+            m.settle_seconds += took.as_secs_f64();
         });
     }
 
@@ -179,6 +190,18 @@ impl Metrics {
             "counter",
             "Completed requests whose fill failed its self-check (--max-fill-error) and ran every layer exactly.",
             m.fill_fallbacks.to_string(),
+        );
+        metric(
+            "settled_rows_total",
+            "counter",
+            "Filled rows of idle caches run exactly while the server had nothing else to do.",
+            m.settled_rows.to_string(),
+        );
+        metric(
+            "settle_seconds_total",
+            "counter",
+            "Seconds spent settling idle caches' filled rows.",
+            format!("{:.6}", m.settle_seconds),
         );
         metric(
             "queue_depth",

@@ -52,6 +52,11 @@ pub struct Args {
     /// the slots' own. The caches live where the device keeps K/V: host RAM on `cpu`.
     #[arg(long, default_value_t = DEFAULT_CACHE_RAM_MB)]
     pub cache_ram: usize,
+    /// Leave idle caches' filled rows as predicted. By default, while no request runs, the
+    /// server re-runs them exactly a few rows at a time, so a conversation's next turn reuses an
+    /// exact cache and re-runs no spans.
+    #[arg(long)]
+    pub no_settle: bool,
 }
 
 /// Default `--cache-ram`: a few dozen 4k-token SmolLM2 prompts, or ten 8k-token Llama-1B ones.
@@ -141,6 +146,7 @@ pub fn run(a: Args) -> Result<()> {
                 metrics: engine_metrics,
                 cache_prompt: !a.no_cache_prompt,
                 cache_ram: a.cache_ram.saturating_mul(MB),
+                settle: !a.no_settle,
             }
             .run(queue_rx)
         });
