@@ -129,3 +129,87 @@ fn a_filled_conversation_is_continued_over_its_cache() {
         "{turns:?}"
     );
 }
+
+/// While chat waits for the next message, the turn's filled rows settle (run exactly from their
+/// stored split input): it says so once all of them have, and the next turn then restores no
+/// rows; with `--no-settle` nothing settles and the next turn's spans restore rows instead.
+#[test]
+fn a_pause_between_turns_settles_the_filled_rows() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let (_, fill) = common::serve::quick_fill(dir.path());
+    let model = common::smollm2_ckpt().path.to_str().unwrap().to_owned();
+    let run = |extra: &[&str]| -> Vec<String> {
+        let mut child = Command::new(common::BIN)
+            .args(["chat", "-m", &model, "-n", REPLY_TOKENS, "--temp", "0"])
+            .args(["--system", &SYSTEM.repeat(SYSTEM_REPEATS)])
+            .args(["--fill", fill.to_str().unwrap()])
+            .args(extra)
+            .env("RIDGEFILL_CHAT_VERBOSE", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut seen = Vec::new();
+        let mut next = |seen: &mut Vec<String>| {
+            let l = lines.next().expect("chat ended early").unwrap();
+            seen.push(l.clone());
+            l
+        };
+        writeln!(stdin, "What is the capital of France?").unwrap();
+        // The first turn's report, then (settling) the line that says the cache is exact.
+        while !next(&mut seen).starts_with("chat: prompt ") {}
+        if extra.is_empty() {
+            while !next(&mut seen).starts_with("chat: settled ") {}
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+        writeln!(stdin, "And of Italy?").unwrap();
+        drop(stdin);
+        while !next(&mut seen).starts_with("chat: prompt ") {}
+        assert!(child.wait().unwrap().success(), "{seen:?}");
+        seen
+    };
+    // "chat: prompt P tokens, R reused from the cache, N prefilled, F filled, S restored"
+    let numbers = |l: &str| -> Vec<usize> {
+        l.split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect()
+    };
+    let seen = run(&[]);
+    let turns: Vec<Vec<usize>> = seen
+        .iter()
+        .filter(|l| l.starts_with("chat: prompt "))
+        .map(|l| numbers(l))
+        .collect();
+    let settled = seen
+        .iter()
+        .find(|l| l.starts_with("chat: settled "))
+        .unwrap();
+    assert_eq!(
+        numbers(settled)[0],
+        turns[0][3],
+        "settled every filled row: {seen:?}"
+    );
+    assert!(
+        turns[1][1] > 0 && turns[1][4] == 0,
+        "reused, restored nothing: {seen:?}"
+    );
+
+    let seen = run(&["--no-settle"]);
+    assert!(
+        !seen.iter().any(|l| l.starts_with("chat: settled ")),
+        "{seen:?}"
+    );
+    let last = seen
+        .iter()
+        .rfind(|l| l.starts_with("chat: prompt "))
+        .unwrap();
+    assert!(
+        numbers(last)[4] > 0,
+        "unsettled rows restored by the spans: {seen:?}"
+    );
+}

@@ -10,11 +10,14 @@
 //! prefill of its new tokens over the cache ([`Prefill::resume`]): the new question's spans may
 //! lie in rows an earlier turn filled, which then run the upper layers exactly from their stored
 //! split input ([`FillHistory`]), so a fact pasted in turn 1 and asked for in turn 5 is read
-//! exactly.
+//! exactly. While the user reads the reply and types the next message, the turn's filled rows
+//! settle ([`settle`]: run exactly from that stored input, a few at a time between checks for
+//! input), so a later turn mostly finds an exact cache and re-runs no spans at all.
 
-use ridgefill::model::fill::{FillHistory, FillOptions, Prefill};
+use ridgefill::model::fill::{FillHistory, FillOptions, Prefill, settle};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, TryRecvError};
 
 use anyhow::{Result, bail};
 use ridgefill::interrupt;
@@ -47,6 +50,10 @@ pub struct Args {
     /// Prefill every turn's whole conversation afresh instead of reusing the cached prefix.
     #[arg(long)]
     pub no_cache_prompt: bool,
+    /// Leave a turn's filled rows as predicted instead of running them exactly while waiting
+    /// for the next message.
+    #[arg(long)]
+    pub no_settle: bool,
 }
 
 /// Set to print each turn's cache use on stderr when stdin is not a terminal.
@@ -54,6 +61,8 @@ const VERBOSE_ENV: &str = "RIDGEFILL_CHAT_VERBOSE";
 
 /// Largest default context.
 const DEFAULT_CTX_CAP: usize = 4096;
+/// Filled rows settled between checks for the next message (tens of milliseconds).
+const SETTLE_ROWS: usize = 32;
 
 pub fn run(a: Args) -> Result<()> {
     let ctx_guess = a.ctx_size.unwrap_or(DEFAULT_CTX_CAP);
@@ -110,12 +119,23 @@ pub fn run(a: Args) -> Result<()> {
     let mut cached: Vec<u32> = Vec::new();
     let mut filled_rows: Option<FillHistory> = None;
     let mut out = std::io::stdout().lock();
-    let mut lines = std::io::stdin().lock().lines();
+    // Lines arrive from a reader thread, so the wait for one can settle filled rows.
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
     loop {
         if interactive {
             eprint!("> ");
         }
-        let Some(line) = lines.next() else { break };
+        let settling = filled_rows.as_mut().filter(|_| !a.no_settle);
+        let Some(line) = next_line(&lines, model, &mut cache, settling, verbose)? else {
+            break;
+        };
         let line = line?;
         let line = line.trim();
         match line {
@@ -206,4 +226,35 @@ pub fn run(a: Args) -> Result<()> {
         history.push(ChatMessage::new("assistant", reply));
     }
     Ok(())
+}
+
+/// The next line of input (`None` at its end). While none has arrived, the cache's filled rows
+/// settle a batch at a time; once none is left the wait simply blocks.
+fn next_line(
+    lines: &Receiver<std::io::Result<String>>,
+    model: &ridgefill::model::Decoder,
+    cache: &mut ridgefill::model::KvCache,
+    mut history: Option<&mut FillHistory>,
+    verbose: bool,
+) -> Result<Option<std::io::Result<String>>> {
+    let mut settled = 0;
+    loop {
+        match lines.try_recv() {
+            Ok(line) => return Ok(Some(line)),
+            Err(TryRecvError::Disconnected) => return Ok(None),
+            Err(TryRecvError::Empty) => {}
+        }
+        let ran = match history.as_deref_mut() {
+            Some(h) => settle(model, cache, h, SETTLE_ROWS)?,
+            None => 0,
+        };
+        if ran > 0 {
+            settled += ran;
+            continue;
+        }
+        if verbose && settled > 0 {
+            eprintln!("chat: settled {settled} filled rows; the cache is exact");
+        }
+        return Ok(lines.recv().ok());
+    }
 }
