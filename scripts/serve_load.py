@@ -7,10 +7,11 @@
       a long prompt arrives while STREAMS streams decode: their longest pause between tokens
   serve_load.py URL ttft [--prompt-tokens 8192] [--batch 4]
       time to first token of BATCH simultaneous long prompts, with and without skip-and-fill
-  serve_load.py URL chat [--doc FILE] [--turns 6] [--tokens 32]
+  serve_load.py URL chat [--doc FILE] [--turns 6] [--tokens 32] [--think S] [--plain]
       a chat about a document, one question a turn: each turn's time to first token (as the
       client sees it) with prefix reuse on and off, full and skip-and-fill, beside a cold
-      prefill of only that turn's new text
+      prefill of only that turn's new text; --think pauses S seconds before each later turn
+      (a user reading and typing: an idle ridgefill server settles filled rows meanwhile)
 
 URL is the server's base, e.g. http://127.0.0.1:8080. Requests use ignore_eos so every stream
 generates exactly --tokens tokens."""
@@ -177,6 +178,7 @@ def chat_plain(a, doc):
         print(f"| {k + 1} | {u.get('prompt_tokens', '—')} | {1e3 * t:.0f} ms | {cached} |")
         msgs = msgs + [{"role": "assistant", "content": text},
                        {"role": "user", "content": QUESTIONS[(k + 1) % len(QUESTIONS)]}]
+        time.sleep(a.think)
 
 
 def chat(a):
@@ -194,9 +196,12 @@ def chat(a):
                 body = {"messages": msgs, "max_tokens": a.tokens, "temperature": 0,
                         "fill": fill, "cache_prompt": reuse}
                 t, text, u = chat_stream(a.url, body)
-                rows.append((t, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]))
+                restored = (u.get("fill_report") or {}).get("restored_rows")
+                rows.append((t, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                             restored))
                 msgs = msgs + [{"role": "assistant", "content": text},
                                {"role": "user", "content": QUESTIONS[(k + 1) % len(QUESTIONS)]}]
+                time.sleep(a.think)
             runs[(fill, reuse)] = rows
     # A cold prefill of each turn's new tokens alone: the turn's question (after the first turn,
     # the previous reply and the question) as a fresh conversation.
@@ -210,8 +215,9 @@ def chat(a):
     for k in range(a.turns):
         cells = []
         for key in [(False, True), (False, False), (True, True), (True, False)]:
-            t, n, c = runs[key][k]
-            cells.append(f"{1e3 * t:.0f} ms ({c} cached)")
+            t, n, c, r = runs[key][k]
+            more = f", {r} restored" if r else ""
+            cells.append(f"{1e3 * t:.0f} ms ({c} cached{more})")
         c = "—" if cold[k] is None else f"{1e3 * cold[k]:.0f} ms"
         print(f"| {k + 1} | {runs[(False, True)][k][1]} | " + " | ".join(cells) + f" | {c} |")
 
@@ -230,6 +236,8 @@ def main():
     p.add_argument("--no-fill", action="store_true", help="longprompt: full prefill for the long prompt")
     p.add_argument("--doc", default="data/answers/prose/verne-80-days-ch3.txt", help="chat: the document")
     p.add_argument("--turns", type=int, default=6, help="chat: questions about the document")
+    p.add_argument("--think", type=float, default=0.0,
+                   help="chat: seconds between a reply and the next question")
     p.add_argument("--plain", action="store_true",
                    help="chat: another OpenAI-compatible server (llama-server): standard fields only, one conversation")
     a = p.parse_args()
