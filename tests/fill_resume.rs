@@ -137,14 +137,14 @@ fn a_later_prefill_restores_the_earlier_rows_its_spans_choose() {
 fn settling_a_filled_cache_runs_every_filled_row_exactly() {
     common::init();
     let model = gqa_model(4, true);
-    let ids = prompt(FIRST + 1, model.config.vocab_size);
+    let ids = prompt(FIRST + 20, model.config.vocab_size);
     let mut full_cache = model.new_cache(FIRST + 1);
     model.prefill(&ids[..FIRST], &mut full_cache).unwrap();
     let full_next = to_host_f32(model.decode_step(ids[FIRST], &mut full_cache).unwrap());
     let rows = spans_rows(4, 0.05, 4);
     let filled = |split: usize| {
         let maps = maps_at(&model, split, 31);
-        let mut cache = model.new_cache(FIRST + 1);
+        let mut cache = model.new_cache(FIRST + 20);
         let opts = FillOptions::fill(&maps, rows);
         let f = Prefill::run(&model, &ids[..FIRST], &mut cache, opts).unwrap();
         assert!(f.report.filled > 0, "{:?}", f.report);
@@ -158,6 +158,30 @@ fn settling_a_filled_cache_runs_every_filled_row_exactly() {
     assert_eq!(
         settle(&model, &mut whole, &mut history, usize::MAX).unwrap(),
         0
+    );
+    // A few new rows over the settled cache fill nothing: they run as full prefill runs them.
+    let maps = maps_at(&model, 2, 31);
+    let more = FIRST + 20;
+    let resumed = Prefill::resume(
+        &model,
+        &ids[..more],
+        &whole,
+        history.clone(),
+        FillOptions::fill(&maps, rows),
+    )
+    .unwrap()
+    .finish(&mut whole.clone())
+    .unwrap();
+    assert_eq!((resumed.report.filled, resumed.report.restored), (0, 0));
+    let plain = to_host_f32(
+        model
+            .prefill(&ids[FIRST..more], &mut whole.clone())
+            .unwrap(),
+    );
+    let d = common::max_abs_diff(&plain, &to_host_f32(resumed.logits));
+    assert!(
+        d < 1e-5,
+        "resumed over a settled cache vs plain prefill max |Δ| {d}"
     );
     // Settled rows ran over predictions once: only the sink stays full prefill's own.
     assert!(history.ever_filled() && !history.pristine_upto(FIRST));

@@ -243,6 +243,15 @@ impl FillRows {
             .max(MIN_SPANS as f64) as usize
     }
 
+    /// The rows a prefill of `new` rows over a cached prefix spends on spans: its own budget,
+    /// and at least [`RESUME_MIN_SPANS`] spans (none without a span budget).
+    pub fn resume_budget(&self, new: usize) -> usize {
+        match self.span_count(new) {
+            0 => 0,
+            k => k.max(RESUME_MIN_SPANS) * (2 * self.span + 1),
+        }
+    }
+
     /// The most bulk rows the chosen spans can cover in an `n`-row prompt (fewer when they
     /// overlap).
     pub fn exact_rows(&self, n: usize) -> usize {

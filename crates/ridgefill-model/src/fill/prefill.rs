@@ -186,6 +186,8 @@ impl<'a> Prefill<'a> {
     /// prompts' included, and the chosen spans among those run the upper layers exactly from
     /// their stored split input, overwriting their predicted K/V for good; the new bulk rows are
     /// filled. A failed self-check runs the new rows exactly (earlier rows stay as they are).
+    /// Over a cache with no filled row left, new rows that the span budget would cover anyway
+    /// run as full prefill runs them (a follow-up turn after [`settle`](super::settle)).
     pub fn resume(
         model: &'a Decoder,
         tokens: &[u32],
@@ -218,7 +220,10 @@ impl<'a> Prefill<'a> {
         // The tail is new rows only: earlier rows have run their layers already.
         let tail0 = n.saturating_sub(rows.tail).max(from);
         let sink = rows.sink.min(from);
-        let fillable = tail0 > from || before.filled(from) > 0;
+        // Over an exact cache (settled, or never filled), new rows the spans would all run
+        // exactly anyway fill nothing: they take full prefill's path, without the fill's passes.
+        let spans_cover = tail0 - from <= rows.resume_budget(n - from);
+        let fillable = before.filled(from) > 0 || (tail0 > from && !spans_cover);
         let bulk = (fillable && sink < tail0).then_some(sink..tail0);
         Ok(Self {
             model,
@@ -226,7 +231,8 @@ impl<'a> Prefill<'a> {
             h: model.embed(&tokens[from..])?,
             report: FillReport {
                 prompt: n,
-                tail: n - tail0,
+                // Every new row runs every layer when nothing is filled.
+                tail: if bulk.is_some() { n - tail0 } else { n - from },
                 reused: from,
                 ..FillReport::default()
             },

@@ -7,7 +7,7 @@ use std::ops::Range;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation};
 
 use super::exact::{ExactRows, exact_pass};
-use super::{FillMaps, FillRows, Oracle, RESUME_MIN_SPANS, choose_new_spans};
+use super::{FillMaps, FillRows, Oracle, choose_new_spans};
 use crate::cache::KvCache;
 use crate::decoder::{Decoder, PREFILL_CHUNK};
 use crate::error::{ModelError, Result};
@@ -81,7 +81,7 @@ pub(crate) fn fill_upper(
         let budget = if from == 0 {
             rows.exact_rows(n)
         } else {
-            rows.span_count(new).max(RESUME_MIN_SPANS) * (2 * rows.span + 1)
+            rows.resume_budget(new)
         };
         choose_new_spans(
             &scores,
