@@ -418,8 +418,9 @@ fn eval_ruler_scores_every_task_and_method() {
 }
 
 /// `--task passkey-turns` on the tiny model: full and fill, each cold and turn by turn over
-/// the cache; reuse takes most of the last turn from the cache, and full prefill with reuse
-/// answers exactly as cold full prefill does.
+/// the cache (fill also with its rows settled between turns); reuse takes most of the last turn
+/// from the cache, full prefill with reuse answers exactly as cold full prefill does, and a
+/// settled conversation's last turn restores nothing.
 #[test]
 fn eval_passkey_turns_compares_cold_and_reused_prefills() {
     let s = setup();
@@ -449,13 +450,23 @@ fn eval_passkey_turns_compares_cold_and_reused_prefills() {
     let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     let rows = v["results"].as_array().expect("results");
     let methods: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
-    assert_eq!(methods, ["full", "full+reuse", "fill", "fill+reuse"], "{v}");
+    assert_eq!(
+        methods,
+        [
+            "full",
+            "full+reuse",
+            "fill",
+            "fill+reuse",
+            "fill+reuse+settle"
+        ],
+        "{v}"
+    );
     let row = |m: &str| rows.iter().find(|r| r["method"] == m).unwrap();
     for r in rows {
         assert_eq!(r["task"], "passkey-turns", "{r}");
         let answers = r["answers"].as_array().expect("answers");
         assert_eq!(answers.len(), 5, "{r}");
-        let reuse = r["method"].as_str().unwrap().ends_with("+reuse");
+        let reuse = r["method"].as_str().unwrap().contains("+reuse");
         for a in answers {
             assert!(num(a, "last_turn_prefill_secs") > 0.0, "{a}");
             // The last turn's prompt is within the length; reuse keeps all but its last rows.
@@ -475,6 +486,9 @@ fn eval_passkey_turns_compares_cold_and_reused_prefills() {
     }
     for a in row("fill+reuse")["answers"].as_array().unwrap() {
         assert!(a["fill"]["filled"].is_number(), "{a}");
+    }
+    for a in row("fill+reuse+settle")["answers"].as_array().unwrap() {
+        assert_eq!(num(a, "restored"), 0.0, "{a}");
     }
 
     // A length the fixed turns alone exceed, and prose too short for the document.

@@ -4,7 +4,8 @@
 //! conversation cold, and turn by turn over the cache the earlier turns left (prefix reuse, as
 //! `chat` and `serve` do), the assistant's replies appended exactly as decoding appends them.
 //! Under skip-and-fill with reuse the code's rows were filled in turn 1, when nothing asked for
-//! them, so the last turn must find and re-run them ([`Prefill::resume`]).
+//! them, so the last turn must find and re-run them ([`Prefill::resume`]); `fill+reuse+settle`
+//! settles them between turns ([`settle`], as an idle `serve` or a waiting `chat` does).
 //!
 //! Scored like the retrieval tasks ([`super::retrieval`]): whether the greedy answer holds the
 //! code, and the teacher-forced NLL of its digits; beside them the last turn's prefill time.
@@ -15,7 +16,7 @@ use anyhow::Result;
 use ridgefill::interrupt;
 use ridgefill::io::chat::ChatMessage;
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::fill::{FillHistory, FillOptions, FillReport, Prefill};
+use ridgefill::model::fill::{FillHistory, FillOptions, FillReport, Prefill, settle};
 use ridgefill::model::{Decoder, KvCache, Tensor, to_host_f32};
 use ridgefill::session::Loaded;
 
@@ -206,21 +207,41 @@ struct LastTurn {
     reused: usize,
 }
 
-/// The last turn after `runner` prefilled the conversation: cold (the last
-/// prompt alone), or turn by turn over one cache with `reuse`.
+/// How a conversation's turns are prefilled.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Turns {
+    /// The last prompt alone, cold.
+    Cold,
+    /// Turn by turn over one cache.
+    Reuse,
+    /// Turn by turn, every filled row settled between turns (untimed: the user's pause).
+    Settled,
+}
+
+impl Turns {
+    /// The method name's suffix.
+    fn suffix(self) -> &'static str {
+        match self {
+            Turns::Cold => "",
+            Turns::Reuse => "+reuse",
+            Turns::Settled => "+reuse+settle",
+        }
+    }
+}
+
+/// The last turn after `runner` prefilled the conversation as `mode` says.
 fn prefill_turns(
     model: &Decoder,
     runner: &Runner,
     c: &Conversation,
-    reuse: bool,
+    mode: Turns,
     cache: &mut KvCache,
 ) -> Result<LastTurn> {
     let maps = runner.maps().filter(|_| runner.method != EvalMethod::Full);
     let opts = maps.map(|m| FillOptions::fill(m, runner.rows));
-    let turns: &[Vec<u32>] = if reuse {
-        &c.prompts
-    } else {
-        &c.prompts[c.prompts.len() - 1..]
+    let turns: &[Vec<u32>] = match mode {
+        Turns::Cold => &c.prompts[c.prompts.len() - 1..],
+        Turns::Reuse | Turns::Settled => &c.prompts,
     };
     let mut cached: Vec<u32> = Vec::new();
     let mut history: Option<FillHistory> = None;
@@ -259,6 +280,9 @@ fn prefill_turns(
         }
         // The assistant's reply, decoded: every layer exact.
         model.prefill(&c.replies[t], cache)?;
+        if let (Turns::Settled, Some(h)) = (mode, history.as_mut()) {
+            settle(model, cache, h, usize::MAX)?;
+        }
         cached = prompt.clone();
         cached.extend_from_slice(&c.replies[t]);
     }
@@ -272,11 +296,11 @@ fn ask(
     ckpt: &Checkpoint,
     runner: &Runner,
     c: &Conversation,
-    reuse: bool,
+    mode: Turns,
 ) -> Result<Answer> {
     let n = c.len();
     let mut cache = model.new_cache(n + ANSWER_TOKENS.max(c.cont.len()));
-    let last = prefill_turns(model, runner, c, reuse, &mut cache)?;
+    let last = prefill_turns(model, runner, c, mode, &mut cache)?;
     let report = last.report;
     let (text, nll) = answer_and_key_nll(
         model,
@@ -337,7 +361,12 @@ pub fn run(
         .iter()
         .filter(|r| matches!(r.name(), "full" | "fill"))
         .collect();
-    let total = lengths.len() * DEPTHS.len() * chosen.len() * 2;
+    // Settling only changes what a fill left.
+    let modes = |r: &Runner| match r.name() {
+        "fill" => vec![Turns::Cold, Turns::Reuse, Turns::Settled],
+        _ => vec![Turns::Cold, Turns::Reuse],
+    };
+    let total = lengths.len() * DEPTHS.len() * chosen.iter().map(|r| modes(r).len()).sum::<usize>();
     let bar = Bar::new(
         total as u64,
         "passkey-turns [{bar:30}] {pos}/{len} ETA {eta}",
@@ -347,8 +376,8 @@ pub fn run(
         interrupt::check()?;
         let convs = conversations(ckpt, prose, length)?;
         for r in &chosen {
-            for reuse in [false, true] {
-                let method = format!("{}{}", r.name(), if reuse { "+reuse" } else { "" });
+            for mode in modes(r) {
+                let method = format!("{}{}", r.name(), mode.suffix());
                 let mut o = Outcome {
                     length,
                     method,
@@ -357,7 +386,7 @@ pub fn run(
                 };
                 for c in &convs {
                     interrupt::check()?;
-                    o.answers.push(ask(model, ckpt, r, c, reuse)?);
+                    o.answers.push(ask(model, ckpt, r, c, mode)?);
                     o.digits += c.digits.len();
                     bar.inc(1);
                 }
