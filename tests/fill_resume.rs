@@ -292,3 +292,59 @@ fn reuse_and_resume_on_wgpu_match_cold_prefill_and_flex() {
     let d = common::max_abs_diff(&on_flex, &got);
     assert!(d < 1e-3, "resumed fill flex vs wgpu max |Δ| {d}");
 }
+
+/// On a sliding-window layer above the split a prefill writes only the rows some exact row can
+/// reach. A later prefill's spans in the earlier prompt reach rows that prompt left unwritten:
+/// they are filled then, so no exact row attends to an empty slot (Gemma 3's local layers).
+#[test]
+fn old_spans_on_a_sliding_layer_read_no_empty_slot() {
+    common::init();
+    const WINDOW: usize = 5;
+    // Layers 0 and 2 slide over WINDOW keys; the split puts layer 2 above it.
+    let config: ridgefill::io::config::ModelConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+        "head_dim": 16, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "vocab_size": 256,
+        "max_position_embeddings": 1024, "sliding_window": WINDOW, "sliding_window_pattern": 2
+    }))
+    .unwrap();
+    let model = Decoder::random(
+        config,
+        &ridgefill::model::Device::flex(),
+        ridgefill::model::FloatDType::F32,
+        512,
+        3,
+    )
+    .unwrap();
+    assert_eq!(model.layers[2].window, Some(WINDOW));
+    let ids = prompt(N, model.config.vocab_size);
+    let maps = maps_at(&model, 2, 31);
+    let mut cache = model.new_cache(N + 1);
+    let opts = FillOptions::fill(&maps, spans_rows(4, 0.0, 4));
+    let first = Prefill::run(&model, &ids[..FIRST], &mut cache, opts).unwrap();
+    let later = Prefill::resume(
+        &model,
+        &ids,
+        &cache,
+        first.history.unwrap(),
+        FillOptions::fill(&maps, spans_rows(4, 0.2, 2)),
+    )
+    .unwrap()
+    .finish(&mut cache)
+    .unwrap();
+    let old: Vec<_> = later.spans.iter().filter(|s| s.end <= FIRST).collect();
+    assert!(
+        later.report.restored > 0 && !old.is_empty(),
+        "{:?}",
+        later.report
+    );
+    for s in old {
+        for q in (s.start + 1).saturating_sub(WINDOW)..s.end {
+            let kv = kv_rows(&cache, 2, q..q + 1);
+            assert!(
+                kv.iter().any(|&x| x != 0.0),
+                "slot {q} of layer 2, read by the restored span {s:?}, was never written"
+            );
+        }
+    }
+}

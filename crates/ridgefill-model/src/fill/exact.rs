@@ -2,6 +2,8 @@
 //! (keys rotated at their own positions), the exact rows' pass over the filled cache, and the
 //! per-prompt update of the maps from those rows' true K/V.
 
+use std::ops::Range;
+
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::{Adapt, FillMaps, features, window_reads};
@@ -122,6 +124,8 @@ pub(crate) struct ExactRows<'a> {
     pub sink: usize,
     /// Positions the cache's upper layers held before this prefill (0: a fresh prompt).
     pub from: usize,
+    /// Per position `0..from`, whether its upper-layer K/V are exact already.
+    pub done: &'a [bool],
 }
 
 /// Runs the rows at positions `rows.at` through the upper layers in one batch, over a cache
@@ -147,6 +151,7 @@ pub(crate) fn exact_pass(
         at: exact,
         sink,
         from,
+        done,
     } = rows;
     let n = h_split.dims()[0];
     let layers = model.num_layers();
@@ -191,13 +196,17 @@ pub(crate) fn exact_pass(
         match model.layers[l].window.filter(|_| !maps.fill_unread) {
             Some(window) => {
                 // Only rows some exact row (or, past the tail, a decode step) can reach are
-                // ever read; the rest keep whatever the storage holds, masked out.
+                // ever read; the rest keep whatever the storage holds, masked out. An earlier
+                // prefill left its own unread rows unwritten: those an old span now reaches are
+                // filled here (rows already exact keep their K/V).
                 cache.reserve(l, n - from);
-                let reads = window_reads(exact, window).into_iter();
-                for r in reads
-                    .map(|r| r.start.max(from)..r.end)
-                    .filter(|r| !r.is_empty())
-                {
+                let reads = window_reads(exact, window).into_iter().flat_map(|r| {
+                    let old = r.start..r.end.min(from);
+                    let mut parts = unfinished_runs(old, done);
+                    parts.push(r.start.max(from)..r.end);
+                    parts
+                });
+                for r in reads.filter(|r| !r.is_empty()) {
                     let y = model.linear_dense(x_all.clone().narrow(0, r.start, r.len()), &w);
                     let (k, v) = split_fill(model, y, l, 1, r.len(), r.start);
                     cache.overwrite(l, r.start, k, v);
@@ -216,6 +225,18 @@ pub(crate) fn exact_pass(
     }
     let m = exact.len();
     Ok((h.narrow(0, m - 1, 1), relative_error(errors)))
+}
+
+/// The runs of positions in `range` that `done` does not mark exact.
+fn unfinished_runs(range: Range<usize>, done: &[bool]) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for p in range.filter(|&p| !done.get(p).copied().unwrap_or(false)) {
+        match out.last_mut() {
+            Some(r) if r.end == p => r.end = p + 1,
+            _ => out.push(p..p + 1),
+        }
+    }
+    out
 }
 
 /// Mean over layers of squared error over squared spread, from [`exact_pass`]'s per-layer

@@ -104,6 +104,7 @@ pub(crate) fn fill_upper(
         at: &exact,
         sink: bulk.start,
         from,
+        done,
     };
     let (h_last, error) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
     if !error.is_some_and(|e| e > rows.max_error) {
