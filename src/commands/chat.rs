@@ -132,7 +132,10 @@ pub fn run(a: Args) -> Result<()> {
         if interactive {
             eprint!("> ");
         }
-        let settling = filled_rows.as_mut().filter(|_| !a.no_settle);
+        // A cache the next turn will not reuse is not worth settling.
+        let settling = filled_rows
+            .as_mut()
+            .filter(|_| !a.no_settle && !a.no_cache_prompt);
         let Some(line) = next_line(&lines, model, &mut cache, settling, verbose)? else {
             break;
         };
