@@ -20,6 +20,13 @@ fn floats(v: &serde_json::Value) -> Vec<f64> {
         .collect()
 }
 
+/// Each row's (test, mode).
+fn test_modes(rows: &[serde_json::Value]) -> Vec<(&str, &str)> {
+    rows.iter()
+        .map(|r| (r["test"].as_str().unwrap(), r["mode"].as_str().unwrap()))
+        .collect()
+}
+
 fn tiny_model(dir: &Path) -> String {
     let path = dir.join("tiny.gguf");
     tiny::write_gguf(&tiny::tiny(), &path, &tiny::Faults::default());
@@ -62,10 +69,7 @@ fn bench_json_has_llama_bench_fields_and_fill_speedups() {
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     // 2 prompt lengths + 1 decode test, each full and fill.
     assert_eq!(rows.len(), 6);
-    let tests: Vec<(&str, &str)> = rows
-        .iter()
-        .map(|r| (r["test"].as_str().unwrap(), r["mode"].as_str().unwrap()))
-        .collect();
+    let tests = test_modes(&rows);
     assert_eq!(
         tests,
         [
@@ -325,10 +329,7 @@ fn bench_with_a_fitted_fill_file() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let tests: Vec<(&str, &str)> = rows
-        .iter()
-        .map(|r| (r["test"].as_str().unwrap(), r["mode"].as_str().unwrap()))
-        .collect();
+    let tests = test_modes(&rows);
     assert_eq!(
         tests,
         [
