@@ -152,6 +152,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         // A Ctrl-C pressed at the prompt should not cut the coming reply short.
         interrupt::reset();
+        let received = std::time::Instant::now();
         history.push(ChatMessage::new("user", line));
         // Drop the oldest turns (never the system message or this one) until the reply fits.
         let ids = loop {
@@ -191,25 +192,30 @@ pub fn run(a: Args) -> Result<()> {
             None => (model.prefill(&ids[reuse..], &mut cache)?, None),
         };
         cached.extend_from_slice(&ids[reuse..]);
+        let mut logits = to_host_f32(logits);
         if verbose {
             let fill = report.map_or_else(String::new, |r| {
                 format!(", {} filled, {} restored", r.filled, r.restored)
             });
+            // From the message read to the logits of its first token: the turn's TTFT.
+            let ms = received.elapsed().as_secs_f64() * 1e3;
             eprintln!(
-                "chat: prompt {} tokens, {reuse} reused from the cache, {} prefilled{fill}",
+                "chat: prompt {} tokens, {reuse} reused from the cache, {} prefilled{fill}, {ms:.0} ms",
                 ids.len(),
                 ids.len() - reuse
             );
         }
-        let mut logits = to_host_f32(logits);
         let mut stream = tok.stream_decoder(true);
         let mut reply = String::new();
+        let decode_started = std::time::Instant::now();
+        let mut generated = 0;
         for step in 0..a.n_predict {
             check_logits(&logits, ids.len() + step - 1)?;
             let next = sampler.sample(&logits);
             if eos.contains(&next) {
                 break;
             }
+            generated += 1;
             if let Some(piece) = stream.push(next)? {
                 out.write_all(piece.as_bytes())?;
                 out.flush()?;
@@ -226,6 +232,13 @@ pub fn run(a: Args) -> Result<()> {
         }
         writeln!(out)?;
         out.flush()?;
+        if verbose {
+            let secs = decode_started.elapsed().as_secs_f64();
+            eprintln!(
+                "chat: reply {generated} tokens, {:.1} tokens/s",
+                generated as f64 / secs.max(f64::MIN_POSITIVE)
+            );
+        }
         history.push(ChatMessage::new("assistant", reply));
     }
     Ok(())
