@@ -291,6 +291,22 @@ fn reuse_and_resume_on_wgpu_match_cold_prefill_and_flex() {
     let (on_flex, _, _) = two_turns(&flex, &ids, &flex_maps, rows, rows);
     let d = common::max_abs_diff(&on_flex, &got);
     assert!(d < 1e-3, "resumed fill flex vs wgpu max |Δ| {d}");
+
+    // Settling random maps' fill, then one decode step: the same on both devices.
+    let settled_next = |model: &Decoder| {
+        let maps = maps_at(model, 2, 31);
+        let mut cache = model.new_cache(FIRST + 1);
+        let opts = FillOptions::fill(&maps, rows);
+        let f = Prefill::run(model, &ids[..FIRST], &mut cache, opts).unwrap();
+        let mut history = f.history.unwrap();
+        assert_eq!(
+            settle(model, &mut cache, &mut history, usize::MAX).unwrap(),
+            f.report.filled
+        );
+        to_host_f32(model.decode_step(ids[FIRST], &mut cache).unwrap())
+    };
+    let d = common::max_abs_diff(&settled_next(&flex), &settled_next(&gpu));
+    assert!(d < 1e-3, "settled fill flex vs wgpu max |Δ| {d}");
 }
 
 /// On a sliding-window layer above the split a prefill writes only the rows some exact row can

@@ -534,6 +534,8 @@ impl<'m> Engine<'m> {
         };
         let t0 = Instant::now();
         match settle(self.model, &mut e.cache, h, SETTLE_ROWS) {
+            // Filled rows past the cache's end (none should be): nothing to run, no busy loop.
+            Ok(0) => false,
             Ok(rows) => {
                 self.metrics.record_settled(rows, t0.elapsed());
                 // Settled through: its stored split input was dropped (the bytes gauge falls).
