@@ -7,12 +7,11 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use ridgefill::model::decoder::REUSE_MIN_ROWS;
-
 /// Three turns, each building on the one before.
 const TURNS: &str = "What is the capital of France?\nAnd of Italy?\nName a river there.\n";
 
-/// A system prompt long enough that its reuse leaves the last `REUSE_MIN_ROWS` rows to run.
+/// A system prompt long enough that its reuse leaves the last rows it must run
+/// (`Decoder::reuse_min_rows`) to run.
 const SYSTEM: &str = "You are a geography tutor. Answer briefly and name the country. ";
 const SYSTEM_REPEATS: usize = 8;
 
@@ -67,7 +66,7 @@ fn a_turn_prefills_only_its_new_tokens_and_answers_as_a_fresh_prefill() {
     for k in 1..3 {
         let ((before, _), (prompt, reuse)) = (turns[k - 1], turns[k]);
         // The earlier prompt renders the same, so all of it is reused, up to the last rows.
-        let most = prompt - REUSE_MIN_ROWS;
+        let most = prompt - common::smollm2_reuse_min_rows();
         assert!(
             reuse >= before.min(most) && reuse <= most && reuse > 0,
             "turn {k}: {turns:?}"

@@ -7,11 +7,12 @@
 mod common;
 
 use common::serve::{GREEDY_TOKENS, http, post, quick_fill, start};
-use ridgefill::model::decoder::REUSE_MIN_ROWS;
 use serde_json::{Value, json};
 
 /// Prompt rows that run even when the whole prompt is cached.
-const MIN: u64 = REUSE_MIN_ROWS as u64;
+fn min_rows() -> u64 {
+    common::smollm2_reuse_min_rows() as u64
+}
 
 /// A shared system prompt long enough that reusing it matters (~250 tokens).
 fn system() -> String {
@@ -82,7 +83,7 @@ fn a_shared_prefix_is_prefilled_once_and_answers_as_afresh() {
     assert_eq!((fresh.as_str(), c3), (a2.as_str(), 0));
     // The same prompt again: all of it but the last rows, which run as a cold prefill's do.
     let (a4, p4, c4) = chat(port, &ask("Where are the cookbooks?", json!({})));
-    assert_eq!((a4.as_str(), c4), (a2.as_str(), p4 - MIN));
+    assert_eq!((a4.as_str(), c4), (a2.as_str(), p4 - min_rows()));
     // Anything but a boolean is refused, naming the field.
     let (status, r) = post(
         port,
@@ -117,12 +118,12 @@ fn filled_rows_are_reused_only_by_filling_requests() {
     let (again, _, c) = chat(port, &ask(q, json!({"fill": false})));
     assert_eq!(
         (again.as_str(), c),
-        (exact.as_str(), p - MIN),
+        (exact.as_str(), p - min_rows()),
         "exact rows reused"
     );
     // A filling request may take either cache, and continues it with skip-and-fill.
     let (_, _, c) = chat(port, &ask(q, json!({})));
-    assert_eq!(c, p - MIN);
+    assert_eq!(c, p - min_rows());
     let (status, v) = post(port, "/v1/chat/completions", &ask(q, json!({})));
     assert_eq!(status, 200, "{v}");
     assert!(v["usage"]["fill_report"]["restored_rows"].is_u64(), "{v}");
@@ -192,7 +193,7 @@ fn the_host_cache_keeps_prefixes_through_slot_churn() {
         let (_, _, c) = chat(port, &ask("Where are the atlases?", json!({})));
         // Without the host cache only the other conversation's shares a prefix: the template's.
         match kept {
-            true => assert_eq!(c, p - MIN, "--cache-ram {ram}"),
+            true => assert_eq!(c, p - min_rows(), "--cache-ram {ram}"),
             false => assert!(c < p / 4, "--cache-ram {ram}: {c} of {p} cached"),
         }
         let entries = counter(port, "prompt_cache_entries");
@@ -224,7 +225,7 @@ fn a_client_gone_mid_prefill_leaves_no_half_written_cache() {
     std::thread::sleep(std::time::Duration::from_millis(200));
     drop(s);
     let (again, p, c) = chat(port, &ask(&long, json!({})));
-    assert!(c == 0 || c == p - MIN, "{c} of {p} tokens reused");
+    assert!(c == 0 || c == p - min_rows(), "{c} of {p} tokens reused");
     let (fresh, _, c) = chat(port, &ask(&long, json!({"cache_prompt": false})));
     assert_eq!(c, 0);
     assert_eq!(again, fresh);

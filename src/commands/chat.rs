@@ -174,7 +174,7 @@ pub fn run(a: Args) -> Result<()> {
         let resumable = fill.is_none() || filled_rows.is_some();
         let reuse = match a.no_cache_prompt || !resumable {
             true => 0,
-            false => reusable_prefix(&cached, &ids),
+            false => reusable_prefix(&cached, &ids, model.reuse_min_rows()),
         };
         cache.truncate(reuse);
         cached.truncate(reuse);

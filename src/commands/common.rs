@@ -4,7 +4,6 @@
 
 use anyhow::Result;
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::decoder::REUSE_MIN_ROWS;
 use ridgefill::model::fill::{FillMethod, FillRows};
 use ridgefill::model::{
     Decoder, DeviceChoice, DeviceInfo, FloatDType, SamplerConfig, WeightFormat,
@@ -315,13 +314,14 @@ pub fn load_any(args: &LoadArgs, capacity: usize) -> Result<AnyModel> {
 }
 
 /// Prompt tokens a prefill may take from a cache holding `cached` (tokens in order): their
-/// longest common prefix, less the prompt's last `REUSE_MIN_ROWS` rows, which run as a cold
-/// prefill runs them. Shared by `chat`, `serve` and `eval --task passkey-turns`.
-pub fn reusable_prefix(cached: &[u32], prompt: &[u32]) -> usize {
+/// longest common prefix, less the prompt's last `min_rows` rows
+/// ([`Decoder::reuse_min_rows`](ridgefill::model::Decoder::reuse_min_rows)), which run as a
+/// cold prefill runs them. Shared by `chat`, `serve` and `eval --task passkey-turns`.
+pub fn reusable_prefix(cached: &[u32], prompt: &[u32], min_rows: usize) -> usize {
     let common = cached
         .iter()
         .zip(prompt)
         .take_while(|(a, b)| a == b)
         .count();
-    common.min(prompt.len().saturating_sub(REUSE_MIN_ROWS))
+    common.min(prompt.len().saturating_sub(min_rows))
 }

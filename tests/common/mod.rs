@@ -42,6 +42,16 @@ pub fn smollm2_ckpt() -> &'static Checkpoint {
     })
 }
 
+/// Prompt rows `chat` and `serve` run after a reused SmolLM2 prefix on this machine (native
+/// weights on the CPU kernels, as they load it): what their reuse leaves to prefill.
+#[allow(dead_code)]
+pub fn smollm2_reuse_min_rows() -> usize {
+    static M: OnceLock<usize> = OnceLock::new();
+    *M.get_or_init(|| {
+        load_with(smollm2_ckpt(), &Device::flex(), WeightFormat::Native).reuse_min_rows()
+    })
+}
+
 /// Gemma 3 270M, fetched through the project's own `fetch` when missing: its golden tests run
 /// wherever the tests run, never skipped.
 pub fn gemma3_ckpt() -> &'static Checkpoint {

@@ -250,7 +250,7 @@ fn prefill_turns(
         // A filled cache without its history (a deeper split filled) cannot be resumed.
         let resumable = opts.is_none() || history.is_some();
         let p = if resumable {
-            reusable_prefix(&cached, prompt)
+            reusable_prefix(&cached, prompt, model.reuse_min_rows())
         } else {
             0
         };

@@ -215,6 +215,9 @@ pub struct Engine<'m> {
     pub cache_ram: usize,
     /// Settle idle caches' filled rows while nothing else runs (`--no-settle` turns it off).
     pub settle: bool,
+    /// Prompt rows a request runs even when a cache holds them all
+    /// ([`Decoder::reuse_min_rows`]).
+    pub min_rows: usize,
 }
 
 impl<'m> Engine<'m> {
@@ -346,7 +349,7 @@ impl<'m> Engine<'m> {
             .iter()
             .enumerate()
             .filter(|_| reusable)
-            .map(|(i, e)| (i, reusable_prefix(&e.tokens, &job.prompt)))
+            .map(|(i, e)| (i, reusable_prefix(&e.tokens, &job.prompt, self.min_rows)))
             .filter(|&(i, p)| usable(&idle[i], p))
             .max_by(|a, b| a.1.cmp(&b.1).then(idle[b.0].used.cmp(&idle[a.0].used)));
         let (cache, tokens, reused, history) = match best {

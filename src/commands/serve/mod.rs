@@ -147,6 +147,7 @@ pub fn run(a: Args) -> Result<()> {
                 cache_prompt: !a.no_cache_prompt,
                 cache_ram: a.cache_ram.saturating_mul(MB),
                 settle: !a.no_settle,
+                min_rows: model.reuse_min_rows(),
             }
             .run(queue_rx)
         });

@@ -37,11 +37,18 @@ pub use load::LoadOptions;
 /// (the MLP's `[rows, 2·intermediate]`) while the GEMMs stay large enough to run at full speed.
 pub const PREFILL_CHUNK: usize = 256;
 
-/// Fewest prompt rows a prefill after a reused cache prefix runs: the quantised matmuls take
-/// their 8-bit-activation path below 16–48 rows (by block type and CPU), whose rounding moved
-/// SmolLM2's last-row logits by 0.69 and flipped a greedy answer, so the prompt's last rows run
-/// as a cold prefill runs them.
+/// Fewest prompt rows a prefill after a reused cache prefix runs where the kernels' paths are
+/// not known ([`Decoder::reuse_min_rows`] knows them on the CPU kernels): the quantised matmuls
+/// take their 8-bit-activation path below 16–48 rows (by block type and CPU), whose rounding
+/// moved SmolLM2's last-row logits by 0.69 and flipped a greedy answer, so the prompt's last rows
+/// run as a cold prefill runs them.
 pub const REUSE_MIN_ROWS: usize = 64;
+
+/// Fewest rows a reused prefill runs on the CPU kernels whatever the matmuls do: up to four rows
+/// attend as decode rows (dot products over the stored cache) and the row-lane matmul kernels
+/// start at four rows. From 8 rows SmolLM2's reused prefill gave the cold prefill's logits
+/// exactly on AVX-512 VNNI, where 1–4 rows moved them by 0.39–0.47 (`tests/native_weights.rs`).
+pub const REUSE_FLOOR_ROWS: usize = 8;
 
 /// How a block's attention and MLP run, chosen once per block when the model is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use burn::tensor::FloatDType;
 use ridgefill_quant::SimdLevel;
 
-use super::{Block, Decoder};
+use super::{Block, Decoder, REUSE_FLOOR_ROWS, REUSE_MIN_ROWS};
 use crate::weight::Weight;
 
 impl Block {
@@ -45,6 +45,31 @@ impl Decoder {
             .flat_map(Block::projections)
             .map(Weight::resident_bytes)
             .sum()
+    }
+
+    /// Fewest prompt rows a prefill after a reused cache prefix must run so that every matmul
+    /// and the attention take the path a cold prefill's rows take: on the CPU kernels the largest
+    /// row count from which a projection's matmul leaves its integer kernels for the f32 GEMM
+    /// (none with VNNI row lanes or f32 weights), at least [`REUSE_FLOOR_ROWS`]; elsewhere
+    /// [`REUSE_MIN_ROWS`].
+    pub fn reuse_min_rows(&self) -> usize {
+        if !self.cpu_kernels() {
+            return REUSE_MIN_ROWS;
+        }
+        let level = SimdLevel::detect();
+        // The head sees the last row alone either way.
+        self.layers
+            .iter()
+            .flat_map(Block::projections)
+            .map(|w| match w {
+                Weight::Blocks(q) => match q.f32_path_min_m(level) {
+                    usize::MAX => 0,
+                    m => m,
+                },
+                Weight::Dense(_) => 0,
+                Weight::Packed(_) => REUSE_MIN_ROWS,
+            })
+            .fold(REUSE_FLOOR_ROWS, usize::max)
     }
 
     /// The instruction-set level the quantised CPU kernels run at (`RIDGEFILL_SIMD` can lower
