@@ -148,6 +148,7 @@ pub fn run(a: Args) -> Result<()> {
                 cache_ram: a.cache_ram.saturating_mul(MB),
                 settle: !a.no_settle,
                 min_rows: model.reuse_min_rows(),
+                ctx,
             }
             .run(queue_rx)
         });
