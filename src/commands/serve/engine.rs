@@ -16,11 +16,12 @@
 //! that runs every layer reuses a prefix only where no row was ever filled. A request that fails or
 //! whose client goes away drops its cache, so no half-written cache is ever reused.
 //!
-//! While no request is running or waiting, the scheduler settles the most recently used idle
-//! cache that still holds filled rows ([`settle`], [`SETTLE_ROWS`] rows at a time, checking the
-//! queue between batches): a conversation's next fill turn then reuses a cache with no
-//! predictions left and re-runs no spans (`--no-settle` leaves them filled). A settled cache
-//! still serves only filling requests: its rows ran over predictions once.
+//! While no request is running or waiting, the scheduler gives the most recently used idle cache
+//! short of room half its length again (so the next turn does not copy it), and settles the most
+//! recently used idle cache that still holds filled rows ([`settle`], [`SETTLE_ROWS`] rows at a
+//! time, checking the queue between batches): a conversation's next fill turn then reuses a cache
+//! with no predictions left and re-runs no spans (`--no-settle` leaves them filled). A settled
+//! cache still serves only filling requests: its rows ran over predictions once.
 //!
 //! A request asking for log-probabilities gets them from the same logits it samples from; one
 //! that wants its prompt's (OpenAI's `echo` with `logprobs`, what evaluation harnesses score
@@ -253,8 +254,13 @@ impl<'m> Engine<'m> {
                     match queue.try_recv() {
                         Ok(j) => j,
                         Err(TryRecvError::Disconnected) => return,
-                        // Idle: settle one batch of filled rows, then look at the queue again.
-                        Err(TryRecvError::Empty) if self.settle_some(&mut idle) => break,
+                        // Idle: make room in a kept cache or settle one batch of its filled
+                        // rows, then look at the queue again.
+                        Err(TryRecvError::Empty)
+                            if self.make_room(&mut idle) || self.settle_some(&mut idle) =>
+                        {
+                            break;
+                        }
                         Err(TryRecvError::Empty) => match queue.recv_timeout(IDLE_POLL) {
                             Ok(j) => j,
                             Err(RecvTimeoutError::Timeout) => break,
@@ -513,6 +519,27 @@ impl<'m> Engine<'m> {
             used: finished,
         });
         self.evict(idle);
+    }
+
+    /// Grows the most recently used idle cache with room for less than a quarter of its length
+    /// more to half its length again (within `ctx`), so the conversation's next turns do not copy
+    /// it while their client waits. Returns whether it grew one.
+    fn make_room(&self, idle: &mut Vec<Idle>) -> bool {
+        let short = |e: &Idle| {
+            let (len, cap) = (e.cache.len(), e.cache.capacity());
+            cap < (len + len / 4).min(self.ctx)
+        };
+        let Some(i) = (0..idle.len())
+            .filter(|&i| short(&idle[i]))
+            .max_by_key(|&i| idle[i].used)
+        else {
+            return false;
+        };
+        let len = idle[i].cache.len();
+        let capacity = grown_capacity(idle[i].cache.capacity(), len + len / 2, self.ctx);
+        idle[i].cache.grow(capacity);
+        self.evict(idle);
+        true
     }
 
     /// Settles up to [`SETTLE_ROWS`] filled rows of the most recently used idle cache that has
