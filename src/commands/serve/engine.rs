@@ -383,7 +383,11 @@ impl<'m> Engine<'m> {
                 }
                 (cache, tokens, p, history)
             }
-            _ => (self.model.new_cache(capacity), Vec::new(), 0, None),
+            // A quarter to spare: a conversation's next turns fit without growing it.
+            _ => {
+                let roomy = (capacity + capacity / 4).min(self.ctx).max(capacity);
+                (self.model.new_cache(roomy), Vec::new(), 0, None)
+            }
         };
         self.metrics.record_cache(reused, n - reused);
         Seq {
@@ -521,13 +525,14 @@ impl<'m> Engine<'m> {
         self.evict(idle);
     }
 
-    /// Grows the most recently used idle cache with room for less than a quarter of its length
+    /// Grows the most recently used idle cache with room for less than an eighth of its length
     /// more to half its length again (within `ctx`), so the conversation's next turns do not copy
-    /// it while their client waits. Returns whether it grew one.
+    /// it while their client waits (new caches start with a quarter to spare). Returns whether
+    /// it grew one.
     fn make_room(&self, idle: &mut Vec<Idle>) -> bool {
         let short = |e: &Idle| {
             let (len, cap) = (e.cache.len(), e.cache.capacity());
-            cap < (len + len / 4).min(self.ctx)
+            cap < (len + len / 8).min(self.ctx)
         };
         let Some(i) = (0..idle.len())
             .filter(|&i| short(&idle[i]))
