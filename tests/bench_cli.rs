@@ -217,6 +217,14 @@ fn bench_refuses_nonsense() {
     let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-p", "0", "-n", "0"]);
     assert!(!ok);
     assert!(stderr.contains("nothing to measure"), "{stderr}");
+    for (depth, want) in [
+        ("deep", "expected a cached depth in tokens, found \"deep\""),
+        ("512,0", "a depth of 0 is the plain ppN row"),
+    ] {
+        let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "--pp-depth", depth]);
+        assert!(!ok, "--pp-depth {depth}");
+        assert!(stderr.contains(want), "{stderr}");
+    }
     // The fill-method flags (the same parsers serve generate, eval and fit).
     for (flag, value, want) in [
         (

@@ -79,7 +79,7 @@ pub struct Args {
     /// `ppN @ dD` rows time N new tokens after D positions prefilled untimed by the row's mode,
     /// as a follow-up turn over a reused prefix; fill rows resume over the filled prefix and
     /// re-run the spans the new rows choose among its filled rows (counted in the FLOPs).
-    #[arg(long = "pp-depth", value_delimiter = ',')]
+    #[arg(long = "pp-depth", value_delimiter = ',', value_parser = parse_depth)]
     pub pp_depth: Vec<usize>,
     /// Timed repetitions after one warm-up run.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
@@ -311,7 +311,7 @@ fn bench_device(a: &Args, choice: DeviceChoice, warm: bool) -> Result<Vec<Row>> 
             ));
         }
     }
-    for &depth in a.pp_depth.iter().filter(|&&d| d > 0) {
+    for &depth in &a.pp_depth {
         for &n in a.n_prompt.iter().filter(|&&n| n > 0) {
             let kind = RowKind::Pp { n, depth, batch: 1 };
             eprintln!("bench: {backend} {}", kind.label());
@@ -409,5 +409,13 @@ fn parse_batch(s: &str) -> std::result::Result<usize, String> {
     match s.parse::<usize>() {
         Ok(b) if b >= 1 => Ok(b),
         _ => Err(format!("expected a batch size of at least 1, found {s:?}")),
+    }
+}
+
+fn parse_depth(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(d) if d >= 1 => Ok(d),
+        Ok(_) => Err("a depth of 0 is the plain ppN row: leave it out of --pp-depth".into()),
+        _ => Err(format!("expected a cached depth in tokens, found {s:?}")),
     }
 }
