@@ -18,19 +18,23 @@ const SYSTEM_REPEATS: usize = 8;
 /// Greedy tokens per reply.
 const REPLY_TOKENS: &str = "12";
 
-/// Runs `chat` on [`TURNS`] with `extra` flags: (stdout, each turn's (prompt, reused) tokens).
-fn chat(extra: &[&str]) -> (String, Vec<(usize, usize)>) {
+/// `chat` on SmolLM2 with the tutor system prompt, greedy, `extra` flags, each turn's cache use
+/// on stderr; stdin and stderr piped.
+fn chat_command(extra: &[&str]) -> Command {
     let model = common::smollm2_ckpt().path.to_str().unwrap().to_owned();
-    let mut child = Command::new(common::BIN)
-        .args(["chat", "-m", &model, "-n", REPLY_TOKENS, "--temp", "0"])
+    let mut cmd = Command::new(common::BIN);
+    cmd.args(["chat", "-m", &model, "-n", REPLY_TOKENS, "--temp", "0"])
         .args(["--system", &SYSTEM.repeat(SYSTEM_REPEATS)])
         .args(extra)
         .env("RIDGEFILL_CHAT_VERBOSE", "1")
         .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// Runs `chat` on [`TURNS`] with `extra` flags: (stdout, each turn's (prompt, reused) tokens).
+fn chat(extra: &[&str]) -> (String, Vec<(usize, usize)>) {
+    let mut child = chat_command(extra).stdout(Stdio::piped()).spawn().unwrap();
     child
         .stdin
         .take()
@@ -137,17 +141,10 @@ fn a_pause_between_turns_settles_the_filled_rows() {
     use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
     let (_, fill) = common::serve::quick_fill(dir.path());
-    let model = common::smollm2_ckpt().path.to_str().unwrap().to_owned();
+    let fill = fill.to_str().unwrap();
     let run = |extra: &[&str]| -> Vec<String> {
-        let mut child = Command::new(common::BIN)
-            .args(["chat", "-m", &model, "-n", REPLY_TOKENS, "--temp", "0"])
-            .args(["--system", &SYSTEM.repeat(SYSTEM_REPEATS)])
-            .args(["--fill", fill.to_str().unwrap()])
-            .args(extra)
-            .env("RIDGEFILL_CHAT_VERBOSE", "1")
-            .stdin(Stdio::piped())
+        let mut child = chat_command(&[&["--fill", fill], extra].concat())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         let mut stdin = child.stdin.take().unwrap();

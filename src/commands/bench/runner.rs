@@ -148,13 +148,13 @@ impl<'a> Runner<'a> {
                 None
             }
             Some(m) => {
-                let f = Prefill::run(
+                let mut f = Prefill::run(
                     self.model,
                     &ids,
                     &mut self.cache,
                     FillOptions::fill(m, rows),
                 )?;
-                let history = f.history.clone();
+                let history = f.history.take();
                 filled(f)?;
                 history
             }

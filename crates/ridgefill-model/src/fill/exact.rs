@@ -4,9 +4,9 @@
 
 use std::ops::Range;
 
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 
-use super::{Adapt, FillMaps, features, window_reads};
+use super::{Adapt, FillMaps, features, select_rows, window_reads};
 use crate::cache::KvCache;
 use crate::decoder::{At, Decoder};
 use crate::error::{ModelError, Result};
@@ -158,18 +158,11 @@ pub(crate) fn exact_pass(
     let (kvh, hd) = (model.config.num_key_value_heads, model.config.head_dim());
     let kv2 = 2 * kvh * hd;
     let x_all = features(model, h_split.clone());
-    let rows_of = |t: Tensor<2>, pick: &[usize]| {
-        let ids: Vec<i32> = pick.iter().map(|&p| p as i32).collect();
-        t.select(
-            0,
-            Tensor::<1, Int>::from_data(TensorData::new(ids, [pick.len()]), &model.device),
-        )
-    };
-    let mut h = rows_of(h_split, exact);
+    let mut h = select_rows(h_split, exact);
     // Exact rows past the sink (the fit never saw sink rows), as indices into `exact`.
     let first = exact.partition_point(|&p| p < sink);
     let checked = exact.len() - first;
-    let xe = (checked > 0).then(|| rows_of(x_all.clone(), &exact[first..]));
+    let xe = (checked > 0).then(|| select_rows(x_all.clone(), &exact[first..]));
     let gain = match (&maps.adapt, &xe) {
         (Some(a), Some(xe)) if a.weight > 0.0 => Some(adapt_gain(model, a, xe.clone())?),
         _ => None,

@@ -7,7 +7,7 @@
 //! Stored per prompt row: `hidden` activations (576 floats for SmolLM2-135M, against its
 //! `2 · 30 · 192` floats of K/V: 5%). Rows past the stored ones (decoded tokens) ran every layer.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 
 use crate::error::{ModelError, Result};
 
@@ -116,15 +116,10 @@ impl FillHistory {
     ///
     /// # Shapes
     /// - positions: `[m]` → `[m, hidden]`
-    pub(crate) fn h_split_rows(&self, positions: &[usize], device: &Device) -> Result<Tensor<2>> {
+    pub(crate) fn h_split_rows(&self, positions: &[usize]) -> Result<Tensor<2>> {
         let stored = self.h_split.as_ref().map_or(0, |h| h.dims()[0]);
         match (&self.h_split, positions.iter().find(|&&p| p >= stored)) {
-            (Some(h), None) => {
-                let ids: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-                let ids =
-                    Tensor::<1, Int>::from_data(TensorData::new(ids, [positions.len()]), device);
-                Ok(h.clone().select(0, ids))
-            }
+            (Some(h), None) => Ok(super::select_rows(h.clone(), positions)),
             (_, p) => Err(ModelError::Invalid(format!(
                 "the fill history keeps the split input of {stored} rows, not of row {}",
                 p.copied().unwrap_or(0)

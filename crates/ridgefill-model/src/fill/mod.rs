@@ -18,7 +18,7 @@ pub mod upper;
 
 use std::ops::Range;
 
-use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 
 use crate::decoder::Decoder;
 use crate::error::{ModelError, Result};
@@ -443,6 +443,16 @@ pub fn features(model: &Decoder, h: Tensor<2>) -> Tensor<2> {
 }
 
 /// An error unless `0 < split < layers`.
+/// The rows of `t` at `positions`, in that order.
+///
+/// # Shapes
+/// - t: `[n, c]`, positions: `[m]` → `[m, c]`
+pub(crate) fn select_rows(t: Tensor<2>, positions: &[usize]) -> Tensor<2> {
+    let ids: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+    let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [positions.len()]), &t.device());
+    t.select(0, ids)
+}
+
 pub(crate) fn check_split(model: &Decoder, split: usize) -> Result<()> {
     let layers = model.num_layers();
     if split == 0 || split >= layers {

@@ -10,9 +10,9 @@
 
 use crate::cache::KvCache;
 use crate::decoder::{At, Decoder};
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 
-use super::FillHistory;
+use super::{FillHistory, check_split};
 
 /// Runs up to `max_rows` of the cache's filled rows (the earliest) through the layers from the
 /// history's split up, from their stored split input, overwriting their predicted K/V and
@@ -32,14 +32,8 @@ pub fn settle(
     if pick.is_empty() {
         return Ok(0);
     }
-    if history.split == 0 || history.split >= model.num_layers() {
-        return Err(ModelError::Invalid(format!(
-            "settling a cache filled at split {}: the model has {} layers",
-            history.split,
-            model.num_layers()
-        )));
-    }
-    let mut h = history.h_split_rows(&pick, &model.device)?;
+    check_split(model, history.split)?;
+    let mut h = history.h_split_rows(&pick)?;
     for l in history.split..model.num_layers() {
         h = model.block(l, h, cache, At::Rows(&pick)).0;
     }
