@@ -78,6 +78,10 @@ pub struct Args {
     /// `--task answers`: greedy tokens per answer (fewer when the model stops first).
     #[arg(long, default_value_t = answers::DEFAULT_ANSWER_TOKENS)]
     pub answer_tokens: usize,
+    /// `--task answers`: leave out the numerical floor (a second load with f32 weights), for
+    /// quicker comparisons of fill settings.
+    #[arg(long)]
+    pub no_floor: bool,
     /// RULER tasks: samples per task and length.
     #[arg(long, default_value_t = ruler_run::DEFAULT_SAMPLES)]
     pub samples: usize,
@@ -191,6 +195,7 @@ pub fn run(a: Args) -> Result<()> {
             methods: a.method_list(),
             questions: a.questions.clone(),
             answer_tokens: a.answer_tokens,
+            floor: !a.no_floor,
             max_positions: MAX_LOAD_POSITIONS,
             json: a.json,
         });
