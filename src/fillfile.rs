@@ -175,6 +175,7 @@ pub fn configure(
             }
             None => f64::INFINITY,
         },
+        min_coverage: choice.min_coverage,
     };
     let (mut maps, rows) = method.configure(maps, rows)?;
     if let (Some(w), Some(a)) = (choice.adapt_weight, maps.adapt.as_mut()) {
@@ -209,6 +210,9 @@ pub struct MethodChoice {
     /// Self-check threshold on the maps' relative error (`None`: the file's default for its
     /// own method, [`default_max_error`]; infinite: never fall back).
     pub max_error: Option<f64>,
+    /// Coverage check: the least share of the question's attention to filled rows the spans
+    /// must take (0: never checked).
+    pub min_coverage: f64,
     /// Fill files at deeper splits, tried in turn when the self-check fails.
     pub deeper: Vec<std::path::PathBuf>,
 }

@@ -354,6 +354,26 @@ fn rows() -> Vec<Row> {
             &["unknown weight format \"q3\""],
         ),
         row(
+            "--min-coverage without a deeper split to send prompts to",
+            &["generate", "-p", "x", "--min-coverage", "0.5"],
+            USAGE,
+            &["--min-coverage", "--fill-deeper"],
+        ),
+        row(
+            "--min-coverage outside 0..1",
+            &[
+                "generate",
+                "-p",
+                "x",
+                "--min-coverage",
+                "2",
+                "--fill-deeper",
+                "a.fill",
+            ],
+            USAGE,
+            &["expected a share between 0 and 1, found \"2\""],
+        ),
+        row(
             "unknown --truncate side",
             &["generate", "-p", "x", "--truncate", "middle"],
             USAGE,

@@ -330,6 +330,10 @@ fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
         .as_f64()
         .unwrap_or_else(|| panic!("{r}"));
     assert!(error > 0.0 && error.is_finite(), "{r}");
+    let coverage = rep["span_coverage"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(coverage > 0.0 && coverage <= 1.0, "{r}");
     eprintln!("fill report of a {prompt_tokens}-token prompt: {rep}");
 
     // Streamed chat: the last chunk's usage carries the report.

@@ -420,6 +420,56 @@ fn a_failed_self_check_tries_the_deeper_split_first() {
     );
 }
 
+/// The coverage check: spans that take less of the tail's attention to the filled bulk than
+/// `min_coverage` send a fresh prompt to the deeper split's maps before any upper layer runs
+/// at this one (here the last layer's own projection: exact, so full prefill's logits); with
+/// no deeper maps the check changes nothing, and the report gives the coverage either way.
+#[test]
+fn spans_that_cover_too_little_send_the_prompt_deeper() {
+    common::init();
+    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
+    const LAYERS: usize = 4;
+    let model = gqa_model(LAYERS, true);
+    let ids = prompt(N, model.config.vocab_size);
+    let full = to_host_f32(model.prefill(&ids, &mut model.new_cache(N)).unwrap());
+    let run = |maps: &FillMaps, min_coverage: f64| {
+        let rows = FillRows {
+            min_coverage,
+            ..spans_rows(4, 0.1, 4)
+        };
+        Prefill::run(
+            &model,
+            &ids,
+            &mut model.new_cache(N),
+            FillOptions::fill(maps, rows),
+        )
+        .unwrap()
+    };
+    let ladder = || {
+        random_maps(&model, 2, 21)
+            .with_deeper(FillMaps::own_proj(&model, LAYERS - 1).unwrap())
+            .unwrap()
+    };
+    let kept = run(&ladder(), 0.0);
+    let coverage = kept.report.coverage.expect("spans were chosen");
+    assert!(coverage > 0.0 && coverage < 1.0, "{:?}", kept.report);
+    assert_eq!(kept.report.split, Some(2), "{:?}", kept.report);
+    assert!(common::max_abs_diff(&full, &to_host_f32(kept.logits)) > 1e-3);
+
+    // Just above what the spans take: the deeper split fills.
+    let deep = run(&ladder(), coverage + 1e-6);
+    assert_eq!(deep.report.split, Some(LAYERS - 1), "{:?}", deep.report);
+    assert!(deep.report.filled > 0 && !deep.report.fell_back);
+    let d = common::max_abs_diff(&full, &to_host_f32(deep.logits));
+    assert!(d < 1e-4, "deeper exact fill vs full max |Δ| {d}");
+
+    // Without deeper maps the check has nowhere to send the prompt.
+    let alone = run(&random_maps(&model, 2, 21), 1.0);
+    assert_eq!(alone.report.split, Some(2), "{:?}", alone.report);
+    assert_eq!(alone.report.coverage, Some(coverage));
+    assert!(!alone.report.fell_back && alone.report.filled > 0);
+}
+
 /// With the maps' line-break ids, the exact tail reaches back to the last line break before
 /// the final question (here 30 rows from the end), not the fixed `tail`.
 #[test]

@@ -153,6 +153,11 @@ pub struct RowArgs {
     /// self-check fails: the prompt runs exactly up to their split instead of every layer.
     #[arg(long, value_delimiter = ',')]
     pub fill_deeper: Vec<std::path::PathBuf>,
+    /// Coverage check: a prompt whose exact spans take less than this share (0 to 1) of the
+    /// question's attention to the filled rows goes to --fill-deeper's split before its upper
+    /// layers run (default 0: never).
+    #[arg(long, value_parser = parse_share, requires = "fill_deeper")]
+    pub min_coverage: Option<f64>,
 }
 
 impl RowArgs {
@@ -177,6 +182,7 @@ impl RowArgs {
             question: self.question_tail,
             sentence_reach: self.sentence_reach,
             max_error: self.max_fill_error,
+            min_coverage: self.min_coverage.unwrap_or(0.0),
             deeper: self.fill_deeper.clone(),
         }
     }

@@ -238,11 +238,16 @@ fn describe_fill(r: &ridgefill::model::fill::FillReport, max_error: f64) -> Stri
         || "no self-check".to_string(),
         |e| format!("fill error {e:.3}"),
     );
+    let coverage = r
+        .coverage
+        .map_or_else(String::new, |c| format!(", span coverage {c:.2}"));
     if r.fell_back {
-        format!("{error} over the self-check's {max_error:.3} (--max-fill-error): ran exactly")
+        format!(
+            "{error} over the self-check's {max_error:.3} (--max-fill-error){coverage}: ran exactly"
+        )
     } else {
         format!(
-            "filled {}/{} rows, tail {} | {error}",
+            "filled {}/{} rows, tail {} | {error}{coverage}",
             r.filled, r.prompt, r.tail
         )
     }

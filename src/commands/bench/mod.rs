@@ -191,6 +191,7 @@ fn load_modes<'a>(
         question: 0,
         sentence_reach: ridgefill::model::fill::DEFAULT_SENTENCE_REACH,
         max_error: Some(f64::INFINITY),
+        min_coverage: 0.0,
         deeper: Vec::new(),
     };
     if let Some(path) = &a.fill {

@@ -175,6 +175,7 @@ pub fn load_runners(
     let (mut runners, summary) = prepare(model, &file, &maps, rows, list)?;
     let plain = MethodChoice {
         max_error: Some(f64::INFINITY),
+        min_coverage: 0.0,
         deeper: Vec::new(),
         ..rows.choice()
     };
@@ -206,6 +207,7 @@ pub fn report_json(r: &ridgefill::model::fill::FillReport) -> serde_json::Value 
         "tail": r.tail,
         "split": r.split,
         "error": r.error,
+        "coverage": r.coverage,
         "fell_back": r.fell_back,
     })
 }

@@ -86,10 +86,16 @@ pub fn run(a: Args) -> Result<()> {
                 &loaded.model,
                 &a.rows.choice(),
             )?;
-            // The self-check's limit and the deeper splits it falls back to, if any.
+            // The self-check's and coverage check's limits and the deeper splits they fall back
+            // to, if any.
             let mut check = String::new();
+            if rows.min_coverage > 0.0 && maps.deeper.is_some() {
+                check += &format!(", min span coverage {}", rows.min_coverage);
+            }
             if rows.max_error.is_finite() {
-                check = format!(", max fill error {}", rows.max_error);
+                check += &format!(", max fill error {}", rows.max_error);
+            }
+            if !check.is_empty() {
                 let mut d = maps.deeper.as_deref();
                 while let Some(m) = d {
                     check += &format!(" then s={}", m.split);

@@ -183,6 +183,10 @@ pub struct FillRows {
     /// Self-check: when the maps' relative error on this prompt's exact rows exceeds this, the
     /// bulk runs the upper layers exactly after all (infinite: never).
     pub max_error: f64,
+    /// Coverage check: when the chosen spans take less than this share of the tail's attention
+    /// to the filled bulk (the question reads the filled text broadly), a fresh prompt goes to
+    /// the deeper split's maps, if any, before any upper layer runs (0: never).
+    pub min_coverage: f64,
 }
 
 impl Default for FillRows {
@@ -197,6 +201,7 @@ impl Default for FillRows {
             question: 0,
             sentence_reach: 0,
             max_error: f64::INFINITY,
+            min_coverage: 0.0,
         }
     }
 }

@@ -79,6 +79,9 @@ pub struct FillReport {
     pub filled: usize,
     /// The maps' relative error on this prompt's exact rows, averaged over the upper layers.
     pub error: Option<f64>,
+    /// The share of the tail's attention to the filled bulk that the exact spans take (see
+    /// `span_coverage`): how much of what the question reads is exact.
+    pub coverage: Option<f64>,
     /// The self-check found the error above `max_error` and the bulk ran exactly after all.
     pub fell_back: bool,
     /// The split whose maps filled (a deeper one when a shallower self-check failed); `None`
@@ -385,6 +388,7 @@ impl<'a> Prefill<'a> {
                     self.opts.oracle,
                 )?;
                 self.report.error = upper.error;
+                self.report.coverage = upper.coverage;
                 self.report.fell_back = upper.split.is_none();
                 self.report.split = upper.split;
                 // Per position, whether its upper-layer K/V are now exact.

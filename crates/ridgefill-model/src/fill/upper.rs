@@ -43,6 +43,9 @@ pub(crate) struct Upper {
     pub spans: Vec<Range<usize>>,
     /// The self-check of the last split tried.
     pub error: Option<f64>,
+    /// The share of the tail's attention to the bulk's filled rows that exact rows now take
+    /// ([`span_coverage`]) at the last split tried.
+    pub coverage: Option<f64>,
     /// The split whose maps filled; `None`: every row ran every layer.
     pub split: Option<usize>,
 }
@@ -51,7 +54,9 @@ pub(crate) struct Upper {
 /// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
 /// layers' exact pass and fill. When the exact rows show the maps' error above
 /// `rows.max_error`, the bulk runs exactly up to `maps.deeper`'s split and that fill is tried
-/// the same way; with no deeper maps left, the upper layers run with every row exact.
+/// the same way; with no deeper maps left, the upper layers run with every row exact. A fresh
+/// prompt whose spans take less than `rows.min_coverage` of the tail's attention to the filled
+/// bulk goes to the deeper split, when there is one, before its exact pass here.
 ///
 /// # Shapes
 /// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → h_last `[1, hidden]`
@@ -76,14 +81,14 @@ pub(crate) fn fill_upper(
     // A later prefill spends the budget of its new rows, wherever its question points, and at
     // least `RESUME_MIN_SPANS` spans: earlier turns' filled rows compete for them.
     let new = n - from;
-    let spans = if rows.span_count(new) > 0 {
+    let (spans, coverage) = if rows.span_count(new) > 0 {
         let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
         let budget = if from == 0 {
             rows.exact_rows(n)
         } else {
             rows.resume_budget(new)
         };
-        choose_new_spans(
+        let spans = choose_new_spans(
             &scores,
             bulk.clone(),
             done,
@@ -91,9 +96,11 @@ pub(crate) fn fill_upper(
             rows.span,
             ends,
             rows.sentence_reach,
-        )
+        );
+        let coverage = span_coverage(&scores, bulk.clone(), done, &spans);
+        (spans, coverage)
     } else {
-        Vec::new()
+        (Vec::new(), None)
     };
     // The sink and earlier rows are in the cache already; a fresh prompt runs its sink here.
     let exact: Vec<usize> = (from.min(bulk.start)..bulk.start)
@@ -106,17 +113,27 @@ pub(crate) fn fill_upper(
         from,
         done,
     };
-    let (h_last, error) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
-    if !error.is_some_and(|e| e > rows.max_error) {
-        return Ok(Upper {
-            h_last,
-            spans,
-            error,
-            split: Some(maps.split),
-        });
-    }
-    // The exact rows' pass is all this prompt wasted; the layers below the split stand, and so
-    // do the earlier rows (those its spans ran exactly are the better for it).
+    // A fresh prompt whose question reads the filled text broadly goes to the deeper split
+    // before its exact pass here costs anything.
+    let broad =
+        from == 0 && maps.deeper.is_some() && coverage.is_some_and(|c| c < rows.min_coverage);
+    let error = if broad {
+        None
+    } else {
+        let (h_last, error) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
+        if !error.is_some_and(|e| e > rows.max_error) {
+            return Ok(Upper {
+                h_last,
+                spans,
+                error,
+                coverage,
+                split: Some(maps.split),
+            });
+        }
+        error
+    };
+    // The exact rows' pass (if any) is all this prompt wasted; the layers below the split
+    // stand, and so do the earlier rows (those its spans ran exactly are the better for it).
     let layers = model.num_layers();
     (maps.split..layers).for_each(|l| cache.truncate_layer(l, from));
     let deeper = maps.deeper.as_deref().filter(|_| from == 0);
@@ -127,6 +144,7 @@ pub(crate) fn fill_upper(
             h_last: h.narrow(0, n - from - 1, 1),
             spans: spans.into_iter().filter(|s| s.end <= from).collect(),
             error,
+            coverage,
             split: None,
         });
     };
@@ -142,6 +160,25 @@ pub(crate) fn fill_upper(
     let lowest = deep_scored.max(maps.split);
     let h_deeper = run_exact(model, h, lowest..deeper.split, cache, 0)?;
     fill_upper(model, deeper, plan, tail_in, h_deeper, cache, oracle)
+}
+
+/// Of the tail's attention (`scores`) on the bulk rows still filled before this prefill (`done`
+/// marks earlier exact rows), the share that falls on rows the chosen `spans` run exactly:
+/// near 1 when the question reads a few places the spans cover, low when it reads the filled
+/// text broadly. `None` when the bulk has no filled row or no attention.
+pub(crate) fn span_coverage(
+    scores: &[f32],
+    bulk: Range<usize>,
+    done: &[bool],
+    spans: &[Range<usize>],
+) -> Option<f64> {
+    let filled = bulk.filter(|&i| !done.get(i).copied().unwrap_or(false));
+    let total: f64 = filled.clone().map(|i| f64::from(scores[i])).sum();
+    let covered: f64 = filled
+        .filter(|i| spans.iter().any(|s| s.contains(i)))
+        .map(|i| f64::from(scores[i]))
+        .sum();
+    (total > 0.0).then(|| covered / total)
 }
 
 /// Every row of `h` (entering `layers.start`, positions `pos..`) through `layers` exactly,
@@ -224,4 +261,22 @@ pub fn tail_scores(
         )));
     }
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::span_coverage;
+
+    // One span is a list of one range, not a range to collect.
+    #[allow(clippy::single_range_in_vec_init)]
+    #[test]
+    fn coverage_counts_only_rows_still_filled() {
+        // Bulk 1..9; rows 2 and 3 exact already; a span over 5..7.
+        let scores = [9.0, 1.0, 5.0, 5.0, 1.0, 2.0, 2.0, 1.0, 1.0, 9.0];
+        let done = [true, false, true, true];
+        // Filled rows 1, 4..9 hold 8; the span's rows 5 and 6 hold 4.
+        assert_eq!(span_coverage(&scores, 1..9, &done, &[5..7]), Some(0.5));
+        assert_eq!(span_coverage(&scores, 1..9, &[], &[]), Some(0.0));
+        assert_eq!(span_coverage(&[0.0; 4], 1..3, &[], &[1..2]), None);
+    }
 }
