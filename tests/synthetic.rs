@@ -470,6 +470,67 @@ fn spans_that_cover_too_little_send_the_prompt_deeper() {
     assert!(!alone.report.fell_back && alone.report.filled > 0);
 }
 
+/// A prompt sent to the deeper split is filled exactly as a fill at that split alone fills it:
+/// same report, same logits (the ladder's lower layers are the standalone run's; the deeper
+/// maps keep their per-prompt update), on a Llama and on a Gemma-like model whose layers slide
+/// over a short window between global ones.
+#[test]
+fn a_prompt_sent_deeper_equals_a_fill_at_the_deeper_split() {
+    common::init();
+    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
+    let sliding: ridgefill::io::config::ModelConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+        "head_dim": 16, "num_hidden_layers": 9, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "vocab_size": 256,
+        "max_position_embeddings": 1024, "sliding_window": 24, "sliding_window_pattern": 3
+    }))
+    .unwrap();
+    let sliding = Decoder::random(sliding, &Device::flex(), FloatDType::F32, 512, 3).unwrap();
+    assert_eq!(sliding.layers[5].window, None);
+    assert!(sliding.layers[4].window.is_some());
+    // (model, split, deeper split): the deeper split's scoring layer lies above the split.
+    for (model, split, deep) in [(gqa_model(6, true), 2, 4), (sliding, 3, 6)] {
+        let ids = prompt(N, model.config.vocab_size);
+        let rows = spans_rows(4, 0.1, 4);
+        // Both splits update their maps per prompt, configured as a run configures them.
+        let eye = stand_in_precision(&model);
+        let adapting = |split, seed| {
+            let maps = random_maps(&model, split, seed)
+                .with_adapt(&eye, 100.0, FloatDType::F32, &model.device)
+                .unwrap();
+            move |deeper: Option<FillMaps>| {
+                let maps = match deeper {
+                    Some(d) => maps.with_deeper(d).unwrap(),
+                    None => maps,
+                };
+                fill::FillMethod::SpansAdapt.configure(&maps, rows).unwrap().0
+            }
+        };
+        let alone = Prefill::run(
+            &model,
+            &ids,
+            &mut model.new_cache(N),
+            FillOptions::fill(&adapting(deep, 8)(None), rows),
+        )
+        .unwrap();
+        let deeper = random_maps(&model, deep, 8)
+            .with_adapt(&eye, 100.0, FloatDType::F32, &model.device)
+            .unwrap();
+        let ladder = adapting(split, 21)(Some(deeper));
+        let sent = Prefill::run(
+            &model,
+            &ids,
+            &mut model.new_cache(N),
+            FillOptions::fill(&ladder, FillRows { min_coverage: 1.0, ..rows }),
+        )
+        .unwrap();
+        assert_eq!(sent.report.split, Some(deep), "{:?}", sent.report);
+        assert_eq!(sent.spans, alone.spans);
+        assert_eq!(sent.report, alone.report);
+        assert_eq!(to_host_f32(sent.logits), to_host_f32(alone.logits));
+    }
+}
+
 /// With the maps' line-break ids, the exact tail reaches back to the last line break before
 /// the final question (here 30 rows from the end), not the fixed `tail`.
 #[test]

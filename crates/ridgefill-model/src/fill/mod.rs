@@ -29,7 +29,9 @@ pub use prefill::{FillOptions, FillReport, Filled, Prefill};
 pub use settle::settle;
 pub use spans::{choose_new_spans, choose_spans, window_reads};
 
-/// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM.
+/// All upper layers' fill maps as one matrix, so the bulk fill is a single GEMM. Clones share
+/// the tensors.
+#[derive(Clone)]
 pub struct FillMaps {
     /// First skipped layer.
     pub split: usize,
@@ -121,13 +123,9 @@ impl FillMethod {
                             .into(),
                     ));
                 }
-                Ok((
-                    FillMaps {
-                        adapt: maps.adapt.clone(),
-                        ..maps.plain()
-                    },
-                    rows,
-                ))
+                // Deeper splits keep their own update too: a prompt sent there is filled as a
+                // fill at that split alone fills it.
+                Ok((maps.clone(), rows))
             }
         }
     }
