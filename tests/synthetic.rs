@@ -503,7 +503,10 @@ fn a_prompt_sent_deeper_equals_a_fill_at_the_deeper_split() {
                     Some(d) => maps.with_deeper(d).unwrap(),
                     None => maps,
                 };
-                fill::FillMethod::SpansAdapt.configure(&maps, rows).unwrap().0
+                fill::FillMethod::SpansAdapt
+                    .configure(&maps, rows)
+                    .unwrap()
+                    .0
             }
         };
         let alone = Prefill::run(
@@ -521,7 +524,13 @@ fn a_prompt_sent_deeper_equals_a_fill_at_the_deeper_split() {
             &model,
             &ids,
             &mut model.new_cache(N),
-            FillOptions::fill(&ladder, FillRows { min_coverage: 1.0, ..rows }),
+            FillOptions::fill(
+                &ladder,
+                FillRows {
+                    min_coverage: 1.0,
+                    ..rows
+                },
+            ),
         )
         .unwrap();
         assert_eq!(sent.report.split, Some(deep), "{:?}", sent.report);

@@ -155,7 +155,7 @@ pub struct RowArgs {
     pub fill_deeper: Vec<std::path::PathBuf>,
     /// Coverage check: a prompt whose exact spans take less than this share (0 to 1) of the
     /// question's attention to the filled rows goes to --fill-deeper's split before its upper
-    /// layers run (default 0: never).
+    /// layers run; 0 never. Default 0.5 (it applies only with --fill-deeper).
     #[arg(long, value_parser = parse_share, requires = "fill_deeper")]
     pub min_coverage: Option<f64>,
 }
@@ -182,7 +182,9 @@ impl RowArgs {
             question: self.question_tail,
             sentence_reach: self.sentence_reach,
             max_error: self.max_fill_error,
-            min_coverage: self.min_coverage.unwrap_or(0.0),
+            min_coverage: self
+                .min_coverage
+                .unwrap_or(ridgefill::model::fill::DEFAULT_MIN_COVERAGE),
             deeper: self.fill_deeper.clone(),
         }
     }
