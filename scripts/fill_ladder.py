@@ -10,7 +10,13 @@ stop: that split's measured prefill time, plus for every split passed over the e
 wasted (its exact rows through its upper layers, estimated as exact-row share x upper-layer share
 x full prefill's time). A real ladder run checks the estimate.
 
+With `--min-coverage C` a prompt also passes over a split that has a deeper one behind it when
+its span coverage there (the spans' share of the question's attention to filled rows, reported
+since the coverage check) is below C; such a prompt wastes nothing (it is sent on before the
+exact pass).
+
 Usage: python3 scripts/fill_ladder.py RUN.json [--thresholds 0.4,0.45,...] [--layers 30]
+       [--min-coverage 0.5]
 Works on `--task answers` (ROUGE-L against full) and `--task ruler` (RULER's score) runs.
 """
 import argparse
@@ -65,6 +71,7 @@ def main():
     p.add_argument("run")
     p.add_argument("--thresholds", default="0.35,0.4,0.45,0.5,0.55,0.6,0.7,inf")
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--min-coverage", type=float, default=0.0)
     a = p.parse_args()
     run = json.load(open(a.run))
     prompts = list(items(run))
@@ -72,6 +79,9 @@ def main():
     ladder = splits_of(methods, run["split"])
     print(f"{len(prompts)} prompts; ladder {' -> '.join(str(s) for s, _ in ladder)} -> exact")
     print()
+    if a.min_coverage > 0:
+        print(f"--min-coverage {a.min_coverage} before every split but the last")
+        print()
     print("| --max-fill-error | quality | prefill speed-up | stops at " +
           " / ".join(f"s{s}" for s, _ in ladder) + " / exact |")
     print("|---:|---:|---:|---:|")
@@ -84,6 +94,10 @@ def main():
             spent = 0.0
             for k, (split, m) in enumerate(ladder):
                 q, s, rep, _ = per[m]
+                cov = rep.get("coverage") if rep else None
+                broad = k + 1 < len(ladder) and cov is not None and cov < a.min_coverage
+                if broad:
+                    continue
                 err = rep["error"] if rep and rep["error"] is not None else 0.0
                 if err <= t:
                     quality += q
