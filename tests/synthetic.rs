@@ -384,17 +384,26 @@ fn a_failed_self_check_runs_the_prompt_exactly() {
     assert!(common::max_abs_diff(&full, &to_host_f32(f.logits)) > 1e-3);
 }
 
+/// Prompt rows of the ladder tests: more than one prefill chunk.
+const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
+/// Layers of their model: the last one's own K/V projection is the exact deeper split.
+const LAYERS: usize = 4;
+
+/// The ladder tests' model, an `N`-token prompt and full prefill's last logits for it.
+fn ladder_fixture() -> (Decoder, Vec<u32>, Vec<f32>) {
+    common::init();
+    let model = gqa_model(LAYERS, true);
+    let ids = prompt(N, model.config.vocab_size);
+    let full = to_host_f32(model.prefill(&ids, &mut model.new_cache(N)).unwrap());
+    (model, ids, full)
+}
+
 /// A failed self-check tries the deeper split's maps first: here the last layer's own K/V
 /// projection, which is exact, so the prompt fills that layer, passes, and matches full
 /// prefill, having run exactly only up to the deeper split.
 #[test]
 fn a_failed_self_check_tries_the_deeper_split_first() {
-    common::init();
-    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
-    const LAYERS: usize = 4;
-    let model = gqa_model(LAYERS, true);
-    let ids = prompt(N, model.config.vocab_size);
-    let full = to_host_f32(model.prefill(&ids, &mut model.new_cache(N)).unwrap());
+    let (model, ids, full) = ladder_fixture();
     let exact_last = FillMaps::own_proj(&model, LAYERS - 1).unwrap();
     let maps = random_maps(&model, 1, 21).with_deeper(exact_last).unwrap();
     let rows = FillRows {
@@ -426,12 +435,7 @@ fn a_failed_self_check_tries_the_deeper_split_first() {
 /// no deeper maps the check changes nothing, and the report gives the coverage either way.
 #[test]
 fn spans_that_cover_too_little_send_the_prompt_deeper() {
-    common::init();
-    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
-    const LAYERS: usize = 4;
-    let model = gqa_model(LAYERS, true);
-    let ids = prompt(N, model.config.vocab_size);
-    let full = to_host_f32(model.prefill(&ids, &mut model.new_cache(N)).unwrap());
+    let (model, ids, full) = ladder_fixture();
     let run = |maps: &FillMaps, min_coverage: f64| {
         let rows = FillRows {
             min_coverage,
