@@ -172,10 +172,16 @@ pub(crate) fn span_coverage(
     done: &[bool],
     spans: &[Range<usize>],
 ) -> Option<f64> {
-    let filled = bulk.filter(|&i| !done.get(i).copied().unwrap_or(false));
-    let total: f64 = filled.clone().map(|i| f64::from(scores[i])).sum();
-    let covered: f64 = filled
-        .filter(|i| spans.iter().any(|s| s.contains(i)))
+    let still_filled = |i: &usize| !done.get(*i).copied().unwrap_or(false);
+    let total: f64 = bulk
+        .filter(still_filled)
+        .map(|i| f64::from(scores[i]))
+        .sum();
+    // Spans lie in the bulk, sorted and disjoint: their rows are summed once each.
+    let covered: f64 = spans
+        .iter()
+        .flat_map(|s| s.clone())
+        .filter(still_filled)
         .map(|i| f64::from(scores[i]))
         .sum();
     (total > 0.0).then(|| covered / total)
