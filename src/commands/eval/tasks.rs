@@ -48,11 +48,16 @@ pub(super) const FACTS: [(&str, u32); 12] = [
 ];
 /// Relative depths of the three facts of a `multi` prompt.
 const MULTI_DEPTHS: [f64; 3] = [0.2, 0.5, 0.8];
-/// `multi` prompts per length, each with its own facts, each fact asked in turn.
-const MULTI_PROMPTS: usize = 4;
-/// Every depth, and every fact of every `multi` prompt, has a fact of its own.
+/// Groups of `multi` facts: each prompt plants one group's three facts, each asked in turn.
+const MULTI_GROUPS: usize = 4;
+/// Which depth each fact of a group takes, one `multi` prompt per order: the three rotations put
+/// every fact at every depth, the reversal swaps first and last. 4 groups × 4 orders × 3 facts =
+/// 48 questions, so one question is 2 points: 12 could not resolve the 2-point bar, and full
+/// prefill with f32 weights already differs from native weights by one of 12 at 4096 tokens.
+const MULTI_ORDERS: [[usize; 3]; 4] = [[0, 1, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+/// Every depth, and every fact of every `multi` group, has a fact of its own.
 const _: () =
-    assert!(FACTS.len() >= PROSE_DEPTHS.len() && FACTS.len() >= MULTI_PROMPTS * MULTI_DEPTHS.len());
+    assert!(FACTS.len() >= PROSE_DEPTHS.len() && FACTS.len() >= MULTI_GROUPS * MULTI_DEPTHS.len());
 /// Prose characters gathered per token of the longest prompt: generous whatever the tokenizer
 /// (English BPE averages about four), so the haystack never runs out.
 const PROSE_CHARS_PER_TOKEN: usize = 8;
@@ -163,7 +168,7 @@ impl Task {
     /// Questions asked per prompt length.
     pub(super) fn queries(self) -> usize {
         match self {
-            Self::Multi => MULTI_PROMPTS * MULTI_DEPTHS.len(),
+            Self::Multi => MULTI_GROUPS * MULTI_ORDERS.len() * MULTI_DEPTHS.len(),
             Self::Prose => PROSE_DEPTHS.len(),
             _ => DEPTHS.len(),
         }
@@ -477,13 +482,12 @@ pub(super) fn queries(
             }
         }
         Task::Multi => {
-            for facts in FACTS.chunks_exact(MULTI_DEPTHS.len()).take(MULTI_PROMPTS) {
-                let needles: Vec<(f64, String)> = MULTI_DEPTHS
+            for placed in multi_prompts() {
+                let needles: Vec<(f64, String)> = placed
                     .iter()
-                    .zip(facts)
-                    .map(|(&depth, &f)| (depth, fact(f).0))
+                    .map(|&(depth, f)| (depth, fact(f).0))
                     .collect();
-                for (&depth, &f) in MULTI_DEPTHS.iter().zip(facts) {
+                for &(depth, f) in &placed {
                     let layout = Layout {
                         header: "",
                         units: prose_units,
@@ -503,9 +507,50 @@ pub(super) fn queries(
     Ok(out)
 }
 
+/// Each `multi` prompt's facts with their depths, by increasing depth: every group of
+/// [`FACTS`] in every one of [`MULTI_ORDERS`].
+fn multi_prompts() -> Vec<Vec<(f64, (&'static str, u32))>> {
+    let groups = FACTS.chunks_exact(MULTI_DEPTHS.len()).take(MULTI_GROUPS);
+    groups
+        .flat_map(|g| MULTI_ORDERS.iter().map(move |o| (g, o)))
+        .map(|(facts, order)| {
+            let mut placed: Vec<_> = order
+                .iter()
+                .zip(facts)
+                .map(|(&d, &f)| (MULTI_DEPTHS[d], f))
+                .collect();
+            placed.sort_by(|a, b| a.0.total_cmp(&b.0));
+            placed
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn multi_asks_every_fact_at_every_depth() {
+        let prompts = multi_prompts();
+        assert_eq!(prompts.len() * MULTI_DEPTHS.len(), Task::Multi.queries());
+        assert_eq!(Task::Multi.queries(), 48);
+        for (object, _) in &FACTS[..MULTI_GROUPS * MULTI_DEPTHS.len()] {
+            let mut depths: Vec<f64> = prompts
+                .iter()
+                .flatten()
+                .filter(|(_, f)| f.0 == *object)
+                .map(|&(d, _)| d)
+                .collect();
+            depths.sort_by(f64::total_cmp);
+            depths.dedup();
+            assert_eq!(depths, MULTI_DEPTHS, "{object}");
+        }
+        // No two prompts are the same, and each lists its facts by increasing depth.
+        for (i, p) in prompts.iter().enumerate() {
+            assert!(p.windows(2).all(|w| w[0].0 < w[1].0), "{p:?}");
+            assert!(!prompts[..i].contains(p), "{p:?}");
+        }
+    }
 
     #[test]
     fn sentences_keep_brown_lines_whole_and_split_plain_text() {
