@@ -88,6 +88,10 @@ pub struct Args {
     /// RULER tasks: the seed every sample is generated from.
     #[arg(long, default_value_t = ruler_run::DEFAULT_SEED)]
     pub seed: u64,
+    /// RULER: run only these sample indices (0-based, below --samples), each with the prompt it
+    /// has in the full set.
+    #[arg(long, value_delimiter = ',')]
+    pub pick: Vec<usize>,
     /// Prefix tokens, prefilled by each method.
     #[arg(long, default_value_t = 512)]
     pub prefix: usize,
@@ -206,6 +210,12 @@ pub fn run(a: Args) -> Result<()> {
     if !ruler.is_empty() && (a.oracle || a.samples == 0) {
         return Err(EvalError::RulerRun.into());
     }
+    if let Some(i) = a.pick.iter().find(|&&i| i >= a.samples) {
+        anyhow::bail!(
+            "--pick {i}: only samples 0..{} exist (--samples)",
+            a.samples
+        );
+    }
     let plain = a.rows.rows();
     // The longest prompt asked for, and the positions needed beyond it.
     let (asked, reserved) = if tasks.is_empty() && ruler.is_empty() {
@@ -298,6 +308,7 @@ pub fn run(a: Args) -> Result<()> {
         tasks: &ruler,
         lengths: &a.lengths,
         samples: a.samples,
+        pick: &a.pick,
         seed: a.seed,
         text: &a.text,
         lossy: a.lossy,

@@ -33,6 +33,9 @@ pub struct RulerSpec<'a> {
     pub lengths: &'a [usize],
     pub samples: usize,
     pub seed: u64,
+    /// Only these sample indices (of `0..samples`) run; empty: all. The prompts are those the
+    /// full set would have, so one lost sample can be looked at alone.
+    pub pick: &'a [usize],
     /// The essay haystack's text (`--text`); none: the Gutenberg novel.
     pub text: &'a [PathBuf],
     pub lossy: bool,
@@ -141,6 +144,12 @@ pub fn run(
         for &length in spec.lengths {
             interrupt::check()?;
             let s = samples(task, length, spec.samples, spec.seed, &material, &encode)?;
+            let s = s
+                .into_iter()
+                .enumerate()
+                .filter(|(i, _)| spec.pick.is_empty() || spec.pick.contains(i))
+                .map(|(_, s)| s)
+                .collect();
             sets.push((task, length, s));
         }
     }

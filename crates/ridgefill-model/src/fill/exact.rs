@@ -135,7 +135,7 @@ pub(crate) struct ExactRows<'a> {
 /// rows at or after `rows.sink` (their true K/V at that layer). Returns the last exact row's
 /// hidden state and the self-check: the maps' error on those rows (before any update),
 /// relative to their spread, averaged over the upper layers (`None` when no exact row is past
-/// the sink).
+/// the sink, or when every new row is exact and nothing new is filled).
 ///
 /// # Shapes
 /// - h_split: `[n, hidden]` entering layer `split` → (`[1, hidden]`, error)
@@ -157,12 +157,23 @@ pub(crate) fn exact_pass(
     let layers = model.num_layers();
     let (kvh, hd) = (model.config.num_key_value_heads, model.config.head_dim());
     let kv2 = 2 * kvh * hd;
-    let x_all = features(model, h_split.clone());
-    let mut h = select_rows(h_split, exact);
+    // With every new row exact (a short follow-up over a cached prefix) nothing new is filled:
+    // the maps only reach old rows a sliding window now reads, so neither the per-prompt update
+    // nor the self-check is worth its passes.
+    let fills_new = exact.len() - exact.partition_point(|&p| p < from) < n - from;
+    let x_all = fills_new.then(|| features(model, h_split.clone()));
+    let x_rows = |r: Range<usize>| match &x_all {
+        Some(x) => x.clone().narrow(0, r.start, r.len()),
+        None => features(model, h_split.clone().narrow(0, r.start, r.len())),
+    };
+    let mut h = select_rows(h_split.clone(), exact);
     // Exact rows past the sink (the fit never saw sink rows), as indices into `exact`.
     let first = exact.partition_point(|&p| p < sink);
-    let checked = exact.len() - first;
-    let xe = (checked > 0).then(|| select_rows(x_all.clone(), &exact[first..]));
+    let checked = if fills_new { exact.len() - first } else { 0 };
+    let xe = match &x_all {
+        Some(x) if checked > 0 => Some(select_rows(x.clone(), &exact[first..])),
+        _ => None,
+    };
     let gain = match (&maps.adapt, &xe) {
         (Some(a), Some(xe)) if a.weight > 0.0 => Some(adapt_gain(model, a, xe.clone())?),
         _ => None,
@@ -200,13 +211,13 @@ pub(crate) fn exact_pass(
                     parts
                 });
                 for r in reads.filter(|r| !r.is_empty()) {
-                    let y = model.linear_dense(x_all.clone().narrow(0, r.start, r.len()), &w);
+                    let y = model.linear_dense(x_rows(r.clone()), &w);
                     let (k, v) = split_fill(model, y, l, 1, r.len(), r.start);
                     cache.overwrite(l, r.start, k, v);
                 }
             }
             None => {
-                let y = model.linear_dense(x_all.clone().narrow(0, from, n - from), &w);
+                let y = model.linear_dense(x_rows(from..n), &w);
                 append_fill(model, y, l, 1, cache, from);
             }
         }

@@ -148,11 +148,13 @@ impl std::fmt::Display for FillMethod {
 /// before a document) and at several facts, and on a short prompt a few spans cost little.
 pub const MIN_SPANS: usize = 5;
 
-/// Fewest spans a prefill over a cached prefix chooses ([`Prefill::resume`]), however few its
-/// new rows: the question's attention then ranks every earlier turn's filled rows too. With 5,
-/// a code planted two turns back in a 4096-token chat was missed (key NLL 17.9 against full's
-/// 0.08); with 10 every code's NLL was within full's (`eval --task passkey-turns`).
-pub const RESUME_MIN_SPANS: usize = 10;
+/// Spans a prefill over a cached prefix ([`Prefill::resume`]) restores when its new rows all
+/// run exactly (a chat follow-up, [`FillRows::resume_exact`]): the question's attention ranks
+/// the earlier turns' filled rows, and the sentence it asks about tops them (`eval --task
+/// passkey-turns`: first among the old rows' windows in 15 of 15 conversations at 1024–4096
+/// tokens); the others keep a margin for an earlier turn's filled rows that compete. Each
+/// restored row costs about what a new row's upper layers cost.
+pub const RESUME_MIN_SPANS: usize = 3;
 
 /// Default half-width of an exact span: a needle sentence is ~16 tokens, centred on the top row.
 pub const DEFAULT_SPAN_RADIUS: usize = 8;
@@ -253,13 +255,23 @@ impl FillRows {
             .max(MIN_SPANS as f64) as usize
     }
 
-    /// The rows a prefill of `new` rows over a cached prefix spends on spans: its own budget,
-    /// and at least [`RESUME_MIN_SPANS`] spans (none without a span budget).
+    /// Whether a prefill of `new` rows over a cached prefix runs them all exactly: a follow-up
+    /// no longer than the question tail (a chat turn's question and template), where filling
+    /// would save next to nothing and the question starts wherever the turn does.
+    pub fn resume_exact(&self, new: usize) -> bool {
+        new <= self.question.max(self.tail)
+    }
+
+    /// The rows a prefill of `new` rows over a cached prefix spends on spans: [`RESUME_MIN_SPANS`]
+    /// when its new rows all run exactly, else its own budget and at least that many (none
+    /// without a span budget).
     pub fn resume_budget(&self, new: usize) -> usize {
-        match self.span_count(new) {
-            0 => 0,
-            k => k.max(RESUME_MIN_SPANS) * (2 * self.span + 1),
-        }
+        let spans = match self.span_count(new) {
+            0 => return 0,
+            _ if self.resume_exact(new) => RESUME_MIN_SPANS,
+            k => k.max(RESUME_MIN_SPANS),
+        };
+        spans * (2 * self.span + 1)
     }
 
     /// The most bulk rows the chosen spans can cover in an `n`-row prompt (fewer when they
@@ -491,6 +503,33 @@ mod tests {
         assert_eq!(FillRows::default().span_count(2048), 0);
         assert_eq!(rows.bulk(17), None);
         assert_eq!(rows.bulk(18), Some(1..2));
+    }
+
+    #[test]
+    fn a_short_follow_up_runs_whole_and_restores_a_few_spans() {
+        let rows = FillRows {
+            exact: 0.05,
+            question: 128,
+            ..FillRows::default()
+        };
+        let width = 2 * rows.span + 1;
+        // A chat turn's question: every new row exact, the spans all for earlier rows.
+        assert!(rows.resume_exact(40) && rows.resume_exact(128));
+        assert_eq!(rows.resume_budget(40), RESUME_MIN_SPANS * width);
+        // A pasted document: its own budget, which is never below the minimum.
+        assert!(!rows.resume_exact(129));
+        assert_eq!(rows.resume_budget(4096), 12 * width);
+        assert_eq!(
+            rows.resume_budget(200),
+            MIN_SPANS.max(RESUME_MIN_SPANS) * width
+        );
+        // Without a question tail only the fixed tail runs whole; no span budget, no spans.
+        let plain = FillRows {
+            question: 0,
+            ..rows
+        };
+        assert!(plain.resume_exact(16) && !plain.resume_exact(17));
+        assert_eq!(FillRows::default().resume_budget(40), 0);
     }
 
     #[test]

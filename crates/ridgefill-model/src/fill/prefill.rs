@@ -220,8 +220,13 @@ impl<'a> Prefill<'a> {
         check_split(model, opts.split)?;
         let rows = opts.rows.for_prompt(tokens, &maps.breaks);
         let opts = FillOptions { rows, ..opts };
-        // The tail is new rows only: earlier rows have run their layers already.
-        let tail0 = n.saturating_sub(rows.tail).max(from);
+        // The tail is new rows only: earlier rows have run their layers already. A short
+        // follow-up runs whole, so its spans all go to the earlier rows it asks about.
+        let tail0 = if rows.resume_exact(n - from) {
+            from
+        } else {
+            n.saturating_sub(rows.tail).max(from)
+        };
         let sink = rows.sink.min(from);
         // Over an exact cache (settled, or never filled), new rows the spans would all run
         // exactly anyway fill nothing: they take full prefill's path, without the fill's passes.

@@ -78,8 +78,8 @@ pub(crate) fn fill_upper(
     } = plan;
     let n = h_split.dims()[0];
     let scored = scoring_layer(model, maps.split);
-    // A later prefill spends the budget of its new rows, wherever its question points, and at
-    // least `RESUME_MIN_SPANS` spans: earlier turns' filled rows compete for them.
+    // A later prefill spends the budget of its new rows wherever its question points, earlier
+    // turns' filled rows included (`FillRows::resume_budget`).
     let new = n - from;
     let (spans, coverage) = if rows.span_count(new) > 0 {
         let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
