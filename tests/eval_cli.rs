@@ -217,6 +217,16 @@ fn eval_refuses_lengths_it_cannot_run() {
     let (ok, _, stderr) = eval(&s, &["--task", "riddle"]);
     assert!(!ok);
     assert!(stderr.contains("riddle"), "{stderr}");
+    // A RULER sample index past --samples.
+    let (ok, _, stderr) = eval(
+        &s,
+        &["--task", "niah_single_1", "--samples", "2", "--pick", "0,2"],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains("--pick 2: only samples 0..2 exist"),
+        "{stderr}"
+    );
 }
 
 /// `--task answers` on a one-document question set: every method and the floor (full prefill
