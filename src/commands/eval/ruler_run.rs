@@ -41,6 +41,13 @@ pub struct RulerSpec<'a> {
     pub lossy: bool,
 }
 
+impl RulerSpec<'_> {
+    /// Whether sample `i` runs (`--pick`).
+    fn picked(&self, i: usize) -> bool {
+        self.pick.is_empty() || self.pick.contains(&i)
+    }
+}
+
 /// The RULER tasks among `tasks` (`ruler` expanded), in order, each once.
 pub fn ruler_tasks(tasks: &[Task]) -> Vec<RulerTask> {
     let mut out: Vec<RulerTask> = Vec::new();
@@ -147,7 +154,7 @@ pub fn run(
             let s = s
                 .into_iter()
                 .enumerate()
-                .filter(|(i, _)| spec.pick.is_empty() || spec.pick.contains(i))
+                .filter(|(i, _)| spec.picked(*i))
                 .map(|(_, s)| s)
                 .collect();
             sets.push((task, length, s));
@@ -283,6 +290,8 @@ fn print_json(
     loaded: &Loaded,
     wall: f64,
 ) {
+    // Each answer's sample index in the full set, however few `--pick` ran.
+    let indices: Vec<usize> = (0..spec.samples).filter(|&i| spec.picked(i)).collect();
     let results: Vec<serde_json::Value> = rows
         .iter()
         .map(|r| {
@@ -295,7 +304,7 @@ fn print_json(
                 .map(|(i, (a, s))| {
                     let spans: Vec<[usize; 2]> = a.spans.iter().map(|s| [s.start, s.end]).collect();
                     serde_json::json!({
-                        "index": i,
+                        "index": indices[i],
                         "prompt_tokens": a.prompt_tokens,
                         "references": s.references,
                         // Where each reference sits in the prompt (share of its characters).
