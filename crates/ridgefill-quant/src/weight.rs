@@ -251,6 +251,10 @@ pub enum MatmulPath {
     Integer,
     /// Dequantise row chunks to f32 and run an f32 GEMM on them (no lasting f32 copy).
     DequantGemm,
+    /// The path [`MatmulPath::Auto`] takes for a large batch, at any `m`: prompt rows then
+    /// round alike whether a prefill runs them 8 or 256 at a time (a follow-up turn's few new
+    /// rows as a cold prefill's chunks), without running more rows to get there.
+    Prompt,
 }
 
 impl Default for MatmulConfig {
@@ -512,6 +516,7 @@ impl QWeight {
         let pool = cfg.parallel.then(Pool::global);
         let dequant = match cfg.path {
             MatmulPath::Auto => m >= self.f32_path_min_m(level),
+            MatmulPath::Prompt => self.f32_path_min_m(level) != usize::MAX,
             MatmulPath::Integer => false,
             MatmulPath::DequantGemm => true,
         };

@@ -14,6 +14,7 @@ fn configs() -> Vec<MatmulConfig> {
             MatmulPath::Integer,
             MatmulPath::DequantGemm,
             MatmulPath::Auto,
+            MatmulPath::Prompt,
         ] {
             for parallel in [false, true] {
                 if path != MatmulPath::Integer && level != SimdLevel::Scalar {
@@ -174,6 +175,41 @@ fn row_lane_layout_gives_the_same_products() {
                     }
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn prompt_rows_round_alike_in_any_batch() {
+    // A follow-up turn's few rows must round as they would inside a cold prefill's chunk.
+    let mut rng = Rng::new(0x5EED_0008);
+    let cols = 160;
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+    ] {
+        let cols = if ty.block_size() == 32 { cols } else { 512 };
+        let w = stacked(&mut rng, &[ty], &[48], cols, false);
+        let big = 64;
+        let x = random_x(&mut rng, big, cols, false);
+        let prompt = MatmulConfig {
+            path: MatmulPath::Prompt,
+            ..MatmulConfig::default()
+        };
+        let whole = run(&w, &prompt, &x, big);
+        for m in [1, 8, 19] {
+            let rows = &x[(big - m) * cols..];
+            let few = run(&w, &prompt, rows, m);
+            let want: Vec<f64> = whole[(big - m) * w.rows()..]
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            // f32 GEMM rounding only (the 8-bit path is ~1e-2 of the scale off).
+            let scale = want.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+            let tol = vec![1e-5 * scale; want.len()];
+            assert_close(&format!("{ty} last {m} of {big} rows"), &few, &want, &tol);
         }
     }
 }
