@@ -208,10 +208,10 @@ fn smollm2_packed_gpu_weights_match_flex_f32() {
 }
 
 /// Prefix reuse on the native (fused CPU kernel, f16 KV) path as on f32 weights: a cache cut back
-/// after decoding past the prompt, then the prompt's last `Decoder::reuse_min_rows` tokens (8 on
-/// AVX-512 VNNI, 32 on AVX2 for Q4_1) or `REUSE_MIN_ROWS` prefilled again, gives the cold
-/// prefill's logits; one token alone does not (the 8-bit-activation path without VNNI: max |Δ|
-/// 0.69 on AMD EPYC; the decode attention path with it: 0.39).
+/// after decoding past the prompt, then the prompt's last `Decoder::reuse_min_rows` tokens (8:
+/// prompt rows take a long prompt's matmul path from there) or `REUSE_MIN_ROWS` prefilled again,
+/// gives the cold prefill's logits; one token alone does not (the 8-bit-activation path without
+/// VNNI: max |Δ| 0.69 on AMD EPYC; the decode attention path with it: 0.39).
 #[test]
 fn a_truncated_cache_continues_as_a_cold_prefill() {
     let ckpt = common::smollm2_ckpt();

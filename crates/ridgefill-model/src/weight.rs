@@ -5,9 +5,20 @@
 use std::sync::Arc;
 
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
-use ridgefill_quant::QWeight;
+use ridgefill_quant::{MatmulPath, QWeight};
 
 use crate::packed::PackedWeight;
+
+/// What a matmul's rows are, for the quantised CPU kernels' choice of path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// Prompt rows: from [`REUSE_FLOOR_ROWS`](crate::decoder::REUSE_FLOOR_ROWS) rows on they
+    /// take the path a long prompt's chunks take (no 8-bit activations where those take the f32
+    /// GEMM), so a follow-up turn's few new rows round as a cold prefill's would.
+    Prompt,
+    /// Decode steps and the head's last row: the fastest path for their number.
+    Fastest,
+}
 
 /// How a checkpoint's weights are held (`--weights`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -123,10 +134,10 @@ impl Weight {
     ///
     /// # Shapes
     /// - x: `[m, k]`, w: `[k, n]` → `[m, n]`
-    pub fn matmul(&self, x: Tensor<2>, cpu_kernels: bool) -> Tensor<2> {
+    pub fn matmul(&self, x: Tensor<2>, rows: Rows, cpu_kernels: bool) -> Tensor<2> {
         match self {
             Weight::Dense(w) => dense_matmul(x, w, None, cpu_kernels),
-            Weight::Blocks(q) => block_matmul(x, q, None),
+            Weight::Blocks(q) => block_matmul(x, q, None, rows),
             Weight::Packed(p) => p.matmul(x),
         }
     }
@@ -136,10 +147,16 @@ impl Weight {
     ///
     /// # Shapes
     /// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
-    pub fn matmul_add(&self, x: Tensor<2>, residual: Tensor<2>, cpu_kernels: bool) -> Tensor<2> {
+    pub fn matmul_add(
+        &self,
+        x: Tensor<2>,
+        residual: Tensor<2>,
+        rows: Rows,
+        cpu_kernels: bool,
+    ) -> Tensor<2> {
         match self {
             Weight::Dense(w) => dense_matmul(x, w, Some(residual), cpu_kernels),
-            Weight::Blocks(q) => block_matmul(x, q, Some(residual)),
+            Weight::Blocks(q) => block_matmul(x, q, Some(residual), rows),
             Weight::Packed(p) => residual + p.matmul(x),
         }
     }
@@ -214,12 +231,18 @@ pub fn dense_matmul(
 ///
 /// # Shapes
 /// - x: `[m, k]`, w: `[n, k]` blocks, residual: `[m, n]` → `[m, n]`
-fn block_matmul(x: Tensor<2>, w: &QWeight, residual: Option<Tensor<2>>) -> Tensor<2> {
+fn block_matmul(x: Tensor<2>, w: &QWeight, residual: Option<Tensor<2>>, rows: Rows) -> Tensor<2> {
     #[cfg(feature = "flex")]
-    return crate::cpu::qmatmul(x, w, residual);
+    {
+        let path = match rows {
+            Rows::Prompt if x.dims()[0] >= crate::decoder::REUSE_FLOOR_ROWS => MatmulPath::Prompt,
+            _ => MatmulPath::Auto,
+        };
+        crate::cpu::qmatmul(x, w, residual, path)
+    }
     #[cfg(not(feature = "flex"))]
     {
-        let _ = (x, w, residual);
+        let _ = (x, w, residual, rows);
         unreachable!("block weights are loaded only for the flex device")
     }
 }

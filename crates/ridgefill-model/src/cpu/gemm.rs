@@ -96,8 +96,8 @@ pub fn matmul_add(x: Tensor<2>, w: &Tensor<2>, residual: Tensor<2>) -> Tensor<2>
     gemm_into(x, w, Some(residual))
 }
 
-/// Matrix product with a weight held in GGUF blocks (`ridgefill-quant`), plus `residual` when
-/// given.
+/// Matrix product with a weight held in GGUF blocks (`ridgefill-quant`) by `path`, plus
+/// `residual` when given.
 ///
 /// # Shapes
 /// - x: `[m, k]`, w: `[n, k]` blocks, residual: `[m, n]` → `[m, n]`
@@ -105,6 +105,7 @@ pub fn qmatmul(
     x: Tensor<2>,
     w: &ridgefill_quant::QWeight,
     residual: Option<Tensor<2>>,
+    path: ridgefill_quant::MatmulPath,
 ) -> Tensor<2> {
     let [m, k] = x.dims();
     let n = w.rows();
@@ -112,7 +113,11 @@ pub fn qmatmul(
     let x = flex_with(x, Layout::is_contiguous);
     let (xs, _) = rows2(&x);
     let mut out = vec![0.0f32; m * n];
-    w.matmul(&xs[..m * k], m, &mut out)
+    let cfg = ridgefill_quant::MatmulConfig {
+        path,
+        ..Default::default()
+    };
+    w.matmul_with(&cfg, &xs[..m * k], m, &mut out)
         .expect("operand sizes checked above");
     if let Some(r) = residual {
         assert_eq!(r.dims(), [m, n], "residual shape");

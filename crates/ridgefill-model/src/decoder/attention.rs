@@ -12,6 +12,7 @@ use super::Decoder;
 #[cfg(feature = "flex")]
 use super::ExecPath;
 use crate::cache::KvCache;
+use crate::weight::Rows;
 
 /// Where a block's rows sit in the sequence.
 #[derive(Clone, Copy, Debug)]
@@ -56,10 +57,10 @@ impl Decoder {
     ///
     /// # Shapes
     /// - h: `[m, hidden]` → `[m, q_dim + 2·kv_dim]`
-    pub(crate) fn qkv(&self, l: usize, h: Tensor<2>) -> Tensor<2> {
+    pub(crate) fn qkv(&self, l: usize, h: Tensor<2>, rows: Rows) -> Tensor<2> {
         let layer = &self.layers[l];
         let x = self.rms_norm(h, Some(&layer.pre_attn_norm));
-        let y = self.linear(x, &layer.qkv_proj);
+        let y = self.linear(x, &layer.qkv_proj, rows);
         let y = match &layer.qkv_bias {
             Some(b) => y + b.clone().unsqueeze_dim::<2>(0),
             None => y,

@@ -9,6 +9,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData, activation};
 use super::{At, Decoder, PREFILL_CHUNK};
 use crate::cache::KvCache;
 use crate::error::{ModelError, Result};
+use crate::weight::Rows;
 
 impl Decoder {
     /// Token embeddings.
@@ -75,7 +76,7 @@ impl Decoder {
         cache: &mut KvCache,
         at: At,
     ) -> (Tensor<2>, Tensor<2>) {
-        let qkv = self.qkv(l, h.clone());
+        let qkv = self.qkv(l, h.clone(), Rows::Prompt);
         self.block_qkv(l, h, qkv, cache, at)
     }
 
@@ -93,7 +94,7 @@ impl Decoder {
         at: At,
     ) -> (Tensor<2>, Tensor<2>) {
         let (attn, kv_pre) = self.attention_rows(l, qkv, cache, at);
-        (self.block_after_attention(l, h, attn), kv_pre)
+        (self.block_after_attention(l, h, attn, Rows::Prompt), kv_pre)
     }
 
     /// Final norm and output head.
@@ -101,7 +102,11 @@ impl Decoder {
     /// # Shapes
     /// - h: `[m, hidden]` → `[m, vocab]`
     pub fn head(&self, h: Tensor<2>) -> Tensor<2> {
-        let logits = self.linear(self.rms_norm(h, Some(&self.norm)), &self.lm_head);
+        let logits = self.linear(
+            self.rms_norm(h, Some(&self.norm)),
+            &self.lm_head,
+            Rows::Fastest,
+        );
         match self.config.final_logit_softcapping {
             Some(cap) => super::attention::softcap(logits, cap),
             None => logits,
@@ -213,7 +218,7 @@ impl Decoder {
     /// - tokens: `[b]` → `[b, vocab]`
     pub fn decode_batch(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Tensor<2>> {
         let rows: Vec<&[u32]> = tokens.chunks(1).collect();
-        self.forward_batch(&rows, caches)
+        self.forward_batch(&rows, caches, Rows::Fastest)
     }
 
     /// Prefill of several prompts at once, each continuing its own cache: round `k` takes chunk
@@ -260,7 +265,7 @@ impl Decoder {
                 .filter(|(i, _)| k * PREFILL_CHUNK < prompts[*i].len())
                 .map(|(_, c)| &mut **c)
                 .collect();
-            let logits = self.forward_batch(&chunks, &mut cs)?;
+            let logits = self.forward_batch(&chunks, &mut cs, Rows::Prompt)?;
             for (j, &i) in live.iter().enumerate() {
                 last[i] = Some(logits.clone().narrow(0, j, 1));
             }
@@ -272,7 +277,8 @@ impl Decoder {
     /// New rows of several sequences at once, `tokens[i]` appended to `caches[i]` (a prompt
     /// chunk, or one decode token): every projection and the MLP run as one matmul over all the
     /// rows (the weights are read once, not once per sequence); attention runs per sequence on
-    /// its own cache. Row `i` of the result equals running `tokens[i]` alone.
+    /// its own cache. Row `i` of the result equals running `tokens[i]` alone. `rows`: decode
+    /// rows or prompt chunks, for the quantised kernels' path.
     ///
     /// # Shapes
     /// - tokens: `b` slices of `n_i ≥ 1` tokens → `[b, vocab]`, the logits after each slice
@@ -280,6 +286,7 @@ impl Decoder {
         &self,
         tokens: &[&[u32]],
         caches: &mut [&mut KvCache],
+        rows: Rows,
     ) -> Result<Tensor<2>> {
         if tokens.is_empty() || tokens.len() != caches.len() || tokens.iter().any(|t| t.is_empty())
         {
@@ -301,9 +308,9 @@ impl Decoder {
         let ns: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
         let mut h = self.embed(&tokens.concat())?;
         for l in 0..self.num_layers() {
-            let qkv = self.qkv(l, h.clone());
+            let qkv = self.qkv(l, h.clone(), rows);
             let attn = self.attention_batch(l, qkv, &ns, caches);
-            h = self.block_after_attention(l, h, attn);
+            h = self.block_after_attention(l, h, attn, rows);
         }
         for (c, n) in caches.iter_mut().zip(&ns) {
             let len = c.len() + n;

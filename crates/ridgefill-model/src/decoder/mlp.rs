@@ -5,7 +5,7 @@ use burn::tensor::{Tensor, activation};
 use ridgefill_io::config::Activation;
 
 use super::Decoder;
-use crate::weight::Weight;
+use crate::weight::{Rows, Weight};
 
 impl Decoder {
     /// The rest of a block after attention: output projection, residual, MLP. Row-wise, so the
@@ -18,17 +18,18 @@ impl Decoder {
         l: usize,
         h: Tensor<2>,
         attn: Tensor<2>,
+        rows: Rows,
     ) -> Tensor<2> {
         let layer = &self.layers[l];
         #[cfg(feature = "flex")]
         if layer.path == super::ExecPath::Fused {
-            let h = self.linear_add(attn, &layer.o_proj, h);
+            let h = self.linear_add(attn, &layer.o_proj, h, rows);
             let x = self.rms_norm(h.clone(), Some(&layer.pre_mlp_norm));
-            let gu = self.linear(x, &layer.gate_up_proj);
+            let gu = self.linear(x, &layer.gate_up_proj, rows);
             let act = crate::cpu::swiglu(gu);
-            return self.linear_add(act, &layer.down_proj, h);
+            return self.linear_add(act, &layer.down_proj, h, rows);
         }
-        let mut out = self.linear(attn, &layer.o_proj);
+        let mut out = self.linear(attn, &layer.o_proj, rows);
         if let Some(b) = &layer.o_bias {
             out = out + b.clone().unsqueeze_dim::<2>(0);
         }
@@ -37,7 +38,7 @@ impl Decoder {
         }
         let h = h + out;
         let x = self.rms_norm(h.clone(), Some(&layer.pre_mlp_norm));
-        let y = self.mlp(x, &layer.gate_up_proj, &layer.down_proj);
+        let y = self.mlp(x, &layer.gate_up_proj, &layer.down_proj, rows);
         let y = match &layer.post_mlp_norm {
             Some(w) => self.rms_norm(y, Some(w)),
             None => y,
@@ -49,16 +50,22 @@ impl Decoder {
     ///
     /// # Shapes
     /// - x: `[m, hidden]` → `[m, hidden]`
-    fn mlp(&self, x: Tensor<2>, gate_up_proj: &Weight, down_proj: &Weight) -> Tensor<2> {
+    fn mlp(
+        &self,
+        x: Tensor<2>,
+        gate_up_proj: &Weight,
+        down_proj: &Weight,
+        rows: Rows,
+    ) -> Tensor<2> {
         let ff = self.config.intermediate_size;
-        let gate_up = self.linear(x, gate_up_proj);
+        let gate_up = self.linear(x, gate_up_proj, rows);
         let gate = gate_up.clone().narrow(1, 0, ff);
         let gate = match self.config.hidden_act {
             Activation::Silu => activation::silu(gate),
             Activation::GeluTanh => gelu_tanh(gate),
         };
         let up = gate_up.narrow(1, ff, ff);
-        self.linear(gate * up, down_proj)
+        self.linear(gate * up, down_proj, rows)
     }
 }
 

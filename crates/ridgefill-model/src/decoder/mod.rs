@@ -28,7 +28,7 @@ use ridgefill_io::config::{Activation, Family, ModelConfig};
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::rope::Rope;
-use crate::weight::Weight;
+use crate::weight::{Rows, Weight};
 
 pub use attention::At;
 pub use load::LoadOptions;
@@ -38,16 +38,17 @@ pub use load::LoadOptions;
 pub const PREFILL_CHUNK: usize = 256;
 
 /// Fewest prompt rows a prefill after a reused cache prefix runs where the kernels' paths are
-/// not known ([`Decoder::reuse_min_rows`] knows them on the CPU kernels): the quantised matmuls
-/// take their 8-bit-activation path below 16–48 rows (by block type and CPU), whose rounding
-/// moved SmolLM2's last-row logits by 0.69 and flipped a greedy answer, so the prompt's last rows
-/// run as a cold prefill runs them.
+/// not known (the GPU's packed weights; [`Decoder::reuse_min_rows`]): the quantised matmuls
+/// of the CPU took their 8-bit-activation path below 16–48 rows (by block type and CPU), whose
+/// rounding moved SmolLM2's last-row logits by 0.69 and flipped a greedy answer, so the prompt's
+/// last rows run as a cold prefill runs them.
 pub const REUSE_MIN_ROWS: usize = 64;
 
-/// Fewest rows a reused prefill runs on the CPU kernels whatever the matmuls do: up to four rows
-/// attend as decode rows (dot products over the stored cache) and the row-lane matmul kernels
-/// start at four rows. From 8 rows SmolLM2's reused prefill gave the cold prefill's logits
-/// exactly on AVX-512 VNNI, where 1–4 rows moved them by 0.39–0.47 (`tests/native_weights.rs`).
+/// Fewest rows a reused prefill runs on the CPU kernels: up to four rows attend as decode rows
+/// (dot products over the stored cache) and the row-lane matmul kernels start at four rows; from
+/// here prompt rows also take a long prompt's matmul path ([`Rows::Prompt`]). From 8 rows
+/// SmolLM2's reused prefill gave the cold prefill's logits exactly on AVX-512 VNNI, where 1–4
+/// rows moved them by 0.39–0.47 (`tests/native_weights.rs`).
 pub const REUSE_FLOOR_ROWS: usize = 8;
 
 /// How a block's attention and MLP run, chosen once per block when the model is built.
@@ -247,16 +248,22 @@ impl Decoder {
     ///
     /// # Shapes
     /// - x: `[m, k]`, w: `[k, n]` → `[m, n]`
-    pub fn linear(&self, x: Tensor<2>, w: &Weight) -> Tensor<2> {
-        w.matmul(x, self.cpu_kernels)
+    pub fn linear(&self, x: Tensor<2>, w: &Weight, rows: Rows) -> Tensor<2> {
+        w.matmul(x, rows, self.cpu_kernels)
     }
 
     /// [`Decoder::linear`] added to a residual stream.
     ///
     /// # Shapes
     /// - x: `[m, k]`, w: `[k, n]`, residual: `[m, n]` → `[m, n]`
-    pub fn linear_add(&self, x: Tensor<2>, w: &Weight, residual: Tensor<2>) -> Tensor<2> {
-        w.matmul_add(x, residual, self.cpu_kernels)
+    pub fn linear_add(
+        &self,
+        x: Tensor<2>,
+        w: &Weight,
+        residual: Tensor<2>,
+        rows: Rows,
+    ) -> Tensor<2> {
+        w.matmul_add(x, residual, rows, self.cpu_kernels)
     }
 
     /// [`Decoder::linear`] over a dense `[k, n]` tensor (fill maps, dense weights).

@@ -48,28 +48,19 @@ impl Decoder {
     }
 
     /// Fewest prompt rows a prefill after a reused cache prefix must run so that every matmul
-    /// and the attention take the path a cold prefill's rows take: on the CPU kernels the largest
-    /// row count from which a projection's matmul leaves its integer kernels for the f32 GEMM
-    /// (none with VNNI row lanes or f32 weights), at least [`REUSE_FLOOR_ROWS`]; elsewhere
-    /// [`REUSE_MIN_ROWS`].
+    /// and the attention take the path a cold prefill's rows take: on the CPU kernels
+    /// [`REUSE_FLOOR_ROWS`] (from there prompt rows take a long prompt's matmul path at any count,
+    /// [`Rows::Prompt`](crate::weight::Rows)); for the GPU's packed weights [`REUSE_MIN_ROWS`].
     pub fn reuse_min_rows(&self) -> usize {
-        if !self.cpu_kernels() {
-            return REUSE_MIN_ROWS;
-        }
-        let level = SimdLevel::detect();
-        // The head sees the last row alone either way.
-        self.layers
+        let packed = self
+            .layers
             .iter()
             .flat_map(Block::projections)
-            .map(|w| match w {
-                Weight::Blocks(q) => match q.f32_path_min_m(level) {
-                    usize::MAX => 0,
-                    m => m,
-                },
-                Weight::Dense(_) => 0,
-                Weight::Packed(_) => REUSE_MIN_ROWS,
-            })
-            .fold(REUSE_FLOOR_ROWS, usize::max)
+            .any(|w| matches!(w, Weight::Packed(_)));
+        if !self.cpu_kernels() || packed {
+            return REUSE_MIN_ROWS;
+        }
+        REUSE_FLOOR_ROWS
     }
 
     /// The instruction-set level the quantised CPU kernels run at (`RIDGEFILL_SIMD` can lower

@@ -12,6 +12,7 @@ use crate::decoder::{At, Decoder};
 use crate::error::{ModelError, Result};
 use crate::fill::Oracle;
 use crate::rope::Rope;
+use crate::weight::Rows;
 
 /// Appends predicted K (rotated at each row's own position) and V to layers `split..L`.
 ///
@@ -182,7 +183,7 @@ pub(crate) fn exact_pass(
     let mut errors: Vec<Tensor<1>> = Vec::with_capacity(2 * (layers - maps.split));
     for l in maps.split..layers {
         let i = l - maps.split;
-        let qkv = model.qkv(l, h.clone());
+        let qkv = model.qkv(l, h.clone(), Rows::Prompt);
         let mut w = maps.w.clone().narrow(1, i * kv2, kv2);
         if let Some(xe) = &xe {
             let truth = qkv

@@ -11,6 +11,7 @@ use super::{FillMaps, FillRows, Oracle, choose_new_spans};
 use crate::cache::KvCache;
 use crate::decoder::{Decoder, PREFILL_CHUNK};
 use crate::error::{ModelError, Result};
+use crate::weight::Rows;
 
 /// The layer whose attention chooses the spans runs apart, so its input is kept: the last
 /// full-attention layer below the split (a sliding one sees only the last `window` rows, so
@@ -231,7 +232,7 @@ pub fn tail_scores(
         cfg.head_dim(),
     );
     let t = tail.dims()[0];
-    let q = model.qkv(l, tail).narrow(1, 0, heads * hd);
+    let q = model.qkv(l, tail, Rows::Prompt).narrow(1, 0, heads * hd);
     let q = model.rope_of(l).apply(model.split_heads(q, heads), tail0);
     let (k, _) = cache.read(l);
     let keys = k.dims()[2];
