@@ -176,6 +176,7 @@ pub fn configure(
             None => f64::INFINITY,
         },
         min_coverage: choice.min_coverage,
+        resume_spans: choice.resume_spans,
     };
     let (mut maps, rows) = method.configure(maps, rows)?;
     if let (Some(w), Some(a)) = (choice.adapt_weight, maps.adapt.as_mut()) {
@@ -213,6 +214,8 @@ pub struct MethodChoice {
     /// Coverage check: the least share of the question's attention to filled rows the spans
     /// must take (0: never checked).
     pub min_coverage: f64,
+    /// Spans a follow-up over a cached prefix restores among earlier filled rows.
+    pub resume_spans: usize,
     /// Fill files at deeper splits, tried in turn when the self-check fails.
     pub deeper: Vec<std::path::PathBuf>,
 }

@@ -128,6 +128,72 @@ fn a_later_prefill_restores_the_earlier_rows_its_spans_choose() {
     );
 }
 
+/// A short follow-up (no longer than its tail, so every new row runs exactly) over a cache whose
+/// first prompt random maps filled: with `resume_spans` 0 it restores nothing and skips the
+/// scoring, so its logits are full prefill's of the new rows over that same filled cache; with
+/// the default it restores the spans its question chooses among the filled rows.
+#[test]
+fn a_follow_up_restoring_no_spans_is_full_prefill_over_the_filled_cache() {
+    common::init();
+    let model = gqa_model(4, true);
+    let later = 12;
+    let n = FIRST + DECODED + later;
+    let ids = prompt(n, model.config.vocab_size);
+    let maps = maps_at(&model, 2, 31);
+    let first = spans_rows(4, 0.0, 4);
+    let mut cache = model.new_cache(n);
+    let filled = Prefill::run(
+        &model,
+        &ids[..FIRST],
+        &mut cache,
+        FillOptions::fill(&maps, first),
+    )
+    .unwrap();
+    for &t in &ids[FIRST..FIRST + DECODED] {
+        model.decode_step(t, &mut cache).unwrap();
+    }
+    let history = filled.history.expect("a filled prompt leaves its history");
+    let mut full_cache = cache.clone();
+    let want = to_host_f32(
+        model
+            .prefill(&ids[FIRST + DECODED..], &mut full_cache)
+            .unwrap(),
+    );
+    let follow_up = |resume_spans: usize| {
+        let rows = FillRows {
+            tail: later,
+            resume_spans,
+            ..spans_rows(later, 0.05, 4)
+        };
+        let mut c = cache.clone();
+        let f = Prefill::resume(
+            &model,
+            &ids,
+            &c,
+            history.clone(),
+            FillOptions::fill(&maps, rows),
+        )
+        .unwrap()
+        .finish(&mut c)
+        .unwrap();
+        (to_host_f32(f.logits), f.report)
+    };
+    let (got, report) = follow_up(0);
+    assert_eq!((report.restored, report.filled), (0, 0), "{report:?}");
+    let d = common::max_abs_diff(&want, &got);
+    assert!(
+        d < 1e-4,
+        "no spans restored vs full prefill over the filled cache: max |Δ| {d}"
+    );
+    let (got, report) = follow_up(ridgefill::model::fill::RESUME_MIN_SPANS);
+    assert!(report.restored > 0, "{report:?}");
+    let d = common::max_abs_diff(&want, &got);
+    assert!(
+        d > 1e-4,
+        "restored rows left the logits as they were (max |Δ| {d})"
+    );
+}
+
 /// Settling a cache that random maps filled: every filled row runs from its stored split input,
 /// earliest first. At split 2 the first upper layer then holds full prefill's K/V (they depend
 /// on that input alone), chunks of 7 rows give what one batch gives, and nothing is left to

@@ -158,6 +158,11 @@ pub struct RowArgs {
     /// layers run; 0 never. Default 0.5 (it applies only with --fill-deeper).
     #[arg(long, value_parser = parse_share, requires = "fill_deeper")]
     pub min_coverage: Option<f64>,
+    /// Spans a follow-up turn over a cached prefix re-runs exactly among the rows earlier turns
+    /// filled, where its question points (0: none; the turn then costs what full prefill's
+    /// does, and earlier facts are read from filled K/V).
+    #[arg(long, default_value_t = ridgefill::model::fill::RESUME_MIN_SPANS)]
+    pub resume_spans: usize,
 }
 
 impl RowArgs {
@@ -185,6 +190,7 @@ impl RowArgs {
             min_coverage: self
                 .min_coverage
                 .unwrap_or(ridgefill::model::fill::DEFAULT_MIN_COVERAGE),
+            resume_spans: self.resume_spans,
             deeper: self.fill_deeper.clone(),
         }
     }

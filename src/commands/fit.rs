@@ -478,6 +478,7 @@ pub fn fit_options(rows: &RowArgs, alpha: AlphaChoice) -> FitOptions {
             sentence_reach: rows.sentence_reach,
             max_error: rows.max_fill_error.unwrap_or(f64::INFINITY),
             min_coverage: rows.min_coverage.unwrap_or(0.0),
+            resume_spans: rows.resume_spans,
         },
         method: rows.method.unwrap_or(FillMethod::DEFAULT),
         adapt_weight: rows.adapt_weight.unwrap_or(DEFAULT_ADAPT_WEIGHT),

@@ -48,6 +48,10 @@ pub struct Args {
     /// Share of the prompt's rows run exactly in query-chosen spans (default: the fill file's).
     #[arg(long, value_parser = parse_share)]
     pub exact: Option<f64>,
+    /// Spans a `ppN @ dD` fill row restores among the filled prefix's rows when its new rows
+    /// all run exactly (0: none).
+    #[arg(long, default_value_t = ridgefill::model::fill::RESUME_MIN_SPANS)]
+    pub resume_spans: usize,
     /// Prompt lengths (prefill tests `ppN`), comma-separated.
     #[arg(
         short = 'p',
@@ -192,6 +196,7 @@ fn load_modes<'a>(
         sentence_reach: ridgefill::model::fill::DEFAULT_SENTENCE_REACH,
         max_error: Some(f64::INFINITY),
         min_coverage: 0.0,
+        resume_spans: a.resume_spans,
         deeper: Vec::new(),
     };
     if let Some(path) = &a.fill {
@@ -227,6 +232,7 @@ fn load_modes<'a>(
             sink: a.sink,
             tail: a.tail,
             exact: a.exact.unwrap_or(DEFAULT_EXACT),
+            resume_spans: a.resume_spans,
             ..FillRows::default()
         };
         let (maps, rows) = method.configure(&maps, rows)?;

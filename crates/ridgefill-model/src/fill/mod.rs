@@ -148,8 +148,8 @@ impl std::fmt::Display for FillMethod {
 /// before a document) and at several facts, and on a short prompt a few spans cost little.
 pub const MIN_SPANS: usize = 5;
 
-/// Spans a prefill over a cached prefix ([`Prefill::resume`]) restores when its new rows all
-/// run exactly (a chat follow-up, [`FillRows::resume_exact`]): the question's attention ranks
+/// Default of [`FillRows::resume_spans`]: spans a prefill over a cached prefix
+/// ([`Prefill::resume`]) restores when its new rows all run exactly (a chat follow-up, [`FillRows::resume_exact`]): the question's attention ranks
 /// the earlier turns' filled rows, and the sentence it asks about tops them (`eval --task
 /// passkey-turns`: first among the old rows' windows in 15 of 15 conversations at 1024–4096
 /// tokens); the others keep a margin for an earlier turn's filled rows that compete. Each
@@ -194,6 +194,10 @@ pub struct FillRows {
     /// to the filled bulk (the question reads the filled text broadly), a fresh prompt goes to
     /// the deeper split's maps, if any, before any upper layer runs (0: never).
     pub min_coverage: f64,
+    /// Spans a prefill over a cached prefix restores among the earlier filled rows when its new
+    /// rows all run exactly, and the fewest it restores otherwise ([`FillRows::resume_budget`];
+    /// 0: a chat follow-up restores nothing and costs what full prefill's does).
+    pub resume_spans: usize,
 }
 
 impl Default for FillRows {
@@ -209,6 +213,7 @@ impl Default for FillRows {
             sentence_reach: 0,
             max_error: f64::INFINITY,
             min_coverage: 0.0,
+            resume_spans: RESUME_MIN_SPANS,
         }
     }
 }
@@ -262,14 +267,14 @@ impl FillRows {
         new <= self.question.max(self.tail)
     }
 
-    /// The rows a prefill of `new` rows over a cached prefix spends on spans: [`RESUME_MIN_SPANS`]
-    /// when its new rows all run exactly, else its own budget and at least that many (none
-    /// without a span budget).
+    /// The rows a prefill of `new` rows over a cached prefix spends on spans:
+    /// [`FillRows::resume_spans`] when its new rows all run exactly, else its own budget and at
+    /// least that many (none without a span budget).
     pub fn resume_budget(&self, new: usize) -> usize {
         let spans = match self.span_count(new) {
             0 => return 0,
-            _ if self.resume_exact(new) => RESUME_MIN_SPANS,
-            k => k.max(RESUME_MIN_SPANS),
+            _ if self.resume_exact(new) => self.resume_spans,
+            k => k.max(self.resume_spans),
         };
         spans * (2 * self.span + 1)
     }
@@ -523,6 +528,13 @@ mod tests {
             rows.resume_budget(200),
             MIN_SPANS.max(RESUME_MIN_SPANS) * width
         );
+        // Restoring nothing: a follow-up costs what full prefill's does; a document keeps its own.
+        let none = FillRows {
+            resume_spans: 0,
+            ..rows
+        };
+        assert_eq!(none.resume_budget(40), 0);
+        assert_eq!(none.resume_budget(4096), 12 * width);
         // Without a question tail only the fixed tail runs whole; no span budget, no spans.
         let plain = FillRows {
             question: 0,

@@ -229,9 +229,12 @@ impl<'a> Prefill<'a> {
         };
         let sink = rows.sink.min(from);
         // Over an exact cache (settled, or never filled), new rows the spans would all run
-        // exactly anyway fill nothing: they take full prefill's path, without the fill's passes.
-        let spans_cover = tail0 - from <= rows.resume_budget(n - from);
-        let fillable = before.filled(from) > 0 || (tail0 > from && !spans_cover);
+        // exactly anyway fill nothing: they take full prefill's path, without the fill's passes;
+        // so does a short follow-up with no spans to restore (`resume_spans` 0).
+        let budget = rows.resume_budget(n - from);
+        let spans_cover = tail0 - from <= budget;
+        let restores = before.filled(from) > 0 && budget > 0;
+        let fillable = restores || (tail0 > from && !spans_cover);
         let bulk = (fillable && sink < tail0).then_some(sink..tail0);
         Ok(Self {
             model,
