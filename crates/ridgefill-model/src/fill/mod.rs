@@ -149,12 +149,14 @@ impl std::fmt::Display for FillMethod {
 pub const MIN_SPANS: usize = 5;
 
 /// Default of [`FillRows::resume_spans`]: spans a prefill over a cached prefix
-/// ([`Prefill::resume`]) restores when its new rows all run exactly (a chat follow-up, [`FillRows::resume_exact`]): the question's attention ranks
-/// the earlier turns' filled rows, and the sentence it asks about tops them (`eval --task
-/// passkey-turns`: first among the old rows' windows in 15 of 15 conversations at 1024–4096
-/// tokens); the others keep a margin for an earlier turn's filled rows that compete. Each
-/// restored row costs about what a new row's upper layers cost.
-pub const RESUME_MIN_SPANS: usize = 3;
+/// ([`Prefill::resume`]) restores when its new rows all run exactly (a chat follow-up,
+/// [`FillRows::resume_exact`]). The question's attention ranks the earlier turns' filled rows and
+/// the sentence it asks about tops them: with one span `eval --task passkey-turns` found every
+/// code at 1024–4096 tokens (25 of 25 conversations, key NLL within 0.03 nats of full prefill
+/// with reuse), with none it found 1 of 15. Each restored row costs about what a new row's upper
+/// layers cost: three spans (the default until 2026-12-06) took a no-pause follow-up in `serve`
+/// 272–331 ms against one span's 203–220 ms, and found no more codes.
+pub const RESUME_MIN_SPANS: usize = 1;
 
 /// Default half-width of an exact span: a needle sentence is ~16 tokens, centred on the top row.
 pub const DEFAULT_SPAN_RADIUS: usize = 8;
