@@ -17,14 +17,16 @@
 use ridgefill::model::fill::{FillHistory, FillOptions, Prefill, settle};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 
 use anyhow::{Result, bail};
 use ridgefill::interrupt;
 use ridgefill::io::chat::ChatMessage;
 use ridgefill::model::{Sampler, to_host_f32};
 
-use super::common::{ModelArgs, RowArgs, SamplingArgs, check_logits, load, reusable_prefix};
+use super::common::{
+    ModelArgs, RowArgs, SETTLE_AFTER, SamplingArgs, check_logits, load, reusable_prefix,
+};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -254,6 +256,14 @@ fn next_line(
     verbose: bool,
 ) -> Result<Option<std::io::Result<String>>> {
     let mut settled = 0;
+    // A scripted conversation sends its next line at once: settle only once the input pauses.
+    if history.is_some() {
+        match lines.recv_timeout(SETTLE_AFTER) {
+            Ok(line) => return Ok(Some(line)),
+            Err(RecvTimeoutError::Disconnected) => return Ok(None),
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+    }
     loop {
         match lines.try_recv() {
             Ok(line) => return Ok(Some(line)),

@@ -43,7 +43,7 @@ use ridgefill::model::{KvCache, Sampler, SamplerConfig, to_host_f32};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use crate::commands::common::reusable_prefix;
+use crate::commands::common::{SETTLE_AFTER, reusable_prefix};
 
 /// How long the idle scheduler waits for a request before checking for shutdown.
 const IDLE_POLL: Duration = Duration::from_millis(50);
@@ -231,6 +231,8 @@ impl<'m> Engine<'m> {
         let mut active: Vec<Seq<'m>> = Vec::new();
         let mut idle: Vec<Idle> = Vec::new();
         let mut finished: u64 = 0;
+        // When the engine last had a request: idle work waits SETTLE_AFTER past it.
+        let mut busy_at = Instant::now();
         loop {
             let stopping = self.metrics.shutdown.load(Ordering::SeqCst);
             if stopping {
@@ -254,14 +256,21 @@ impl<'m> Engine<'m> {
                     match queue.try_recv() {
                         Ok(j) => j,
                         Err(TryRecvError::Disconnected) => return,
-                        // Idle: make room in a kept cache or settle one batch of its filled
-                        // rows, then look at the queue again.
+                        // Idle for a while: make room in a kept cache or settle one batch of
+                        // its filled rows, then look at the queue again.
                         Err(TryRecvError::Empty)
-                            if self.make_room(&mut idle) || self.settle_some(&mut idle) =>
+                            if busy_at.elapsed() >= SETTLE_AFTER
+                                && (self.make_room(&mut idle) || self.settle_some(&mut idle)) =>
                         {
                             break;
                         }
-                        Err(TryRecvError::Empty) => match queue.recv_timeout(IDLE_POLL) {
+                        // Wake when the grace ends, if it has not.
+                        Err(TryRecvError::Empty) => match queue.recv_timeout(
+                            match SETTLE_AFTER.saturating_sub(busy_at.elapsed()) {
+                                left if left.is_zero() => IDLE_POLL,
+                                left => left.min(IDLE_POLL),
+                            },
+                        ) {
                             Ok(j) => j,
                             Err(RecvTimeoutError::Timeout) => break,
                             Err(RecvTimeoutError::Disconnected) => return,
@@ -285,6 +294,7 @@ impl<'m> Engine<'m> {
             if active.is_empty() {
                 continue;
             }
+            busy_at = Instant::now();
             // One prefill chunk of the oldest sequence still prefilling.
             if let Some(i) = active.iter().position(|s| s.next.is_none()) {
                 if let Err(e) = self.prefill_chunk(&mut active[i], &eos) {
