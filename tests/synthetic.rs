@@ -926,16 +926,17 @@ fn batch_models(max_positions: usize, seed: u64) -> Vec<(String, Decoder)> {
 
 /// Prefill of several prompts at once (rows of different sequences stacked in every matmul,
 /// prompts longer than one chunk taking several rounds) gives each prompt's logits and cache
-/// as its own prefill does: dense with and without the fused kernels, and Q4_0 blocks. The Q4_0
-/// batch stays under the row count from which its matmuls leave the integer kernels for
-/// dequantise + f32 GEMM (exact activations rather than 8-bit ones), so both sides round alike.
+/// as its own prefill does: dense with and without the fused kernels, and Q4_0 blocks. Prompts
+/// of 8 rows or more take a long prompt's matmul path alone and together; the shorter ones (7
+/// and 1 here) run as a group of their own on the decode rows' kernels, which stays under the
+/// row count from which Q4_0 leaves its integer kernels, so both sides round alike.
 #[test]
 fn batched_prefill_equals_each_prompt_alone() {
     common::init();
     let chunk = ridgefill::model::decoder::PREFILL_CHUNK;
     for (name, model) in &batch_models(1024, 5) {
         let lens = if name == "Q4_0" {
-            // 40 rows in all: below Q4_0's integer-kernel limit of 48.
+            // The short group (7 + 1 rows) stays below Q4_0's integer-kernel limit of 48.
             vec![7, 1, 12, 20]
         } else {
             vec![7, chunk + 40, 1, 64]

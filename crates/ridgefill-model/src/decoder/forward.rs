@@ -248,26 +248,35 @@ impl Decoder {
             .map(|p| p.len().div_ceil(PREFILL_CHUNK))
             .max();
         let mut last: Vec<Option<Tensor<2>>> = vec![None; prompts.len()];
+        let chunk_of = |i: usize, k: usize| {
+            let p = prompts[i];
+            &p[(k * PREFILL_CHUNK).min(p.len())..((k + 1) * PREFILL_CHUNK).min(p.len())]
+        };
         for k in 0..rounds.unwrap_or(0) {
-            let live: Vec<usize> = (0..prompts.len())
-                .filter(|&i| k * PREFILL_CHUNK < prompts[i].len())
-                .collect();
-            let chunks: Vec<&[u32]> = live
-                .iter()
-                .map(|&i| {
-                    let p = prompts[i];
-                    &p[k * PREFILL_CHUNK..((k + 1) * PREFILL_CHUNK).min(p.len())]
-                })
-                .collect();
-            let mut cs: Vec<&mut KvCache> = caches
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| k * PREFILL_CHUNK < prompts[*i].len())
-                .map(|(_, c)| &mut **c)
-                .collect();
-            let logits = self.forward_batch(&chunks, &mut cs, Rows::Prompt)?;
-            for (j, &i) in live.iter().enumerate() {
-                last[i] = Some(logits.clone().narrow(0, j, 1));
+            // Chunks of fewer than REUSE_FLOOR_ROWS rows run alone on the decode rows' kernels,
+            // longer ones on a long prompt's: each group runs as its prompts would alone.
+            for short in [false, true] {
+                let live: Vec<usize> = (0..prompts.len())
+                    .filter(|&i| {
+                        let m = chunk_of(i, k).len();
+                        m > 0 && (m < super::REUSE_FLOOR_ROWS) == short
+                    })
+                    .collect();
+                if live.is_empty() {
+                    continue;
+                }
+                let chunks: Vec<&[u32]> = live.iter().map(|&i| chunk_of(i, k)).collect();
+                let mut cs: Vec<&mut KvCache> = caches
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| live.contains(i))
+                    .map(|(_, c)| &mut **c)
+                    .collect();
+                let rows = if short { Rows::Fastest } else { Rows::Prompt };
+                let logits = self.forward_batch(&chunks, &mut cs, rows)?;
+                for (j, &i) in live.iter().enumerate() {
+                    last[i] = Some(logits.clone().narrow(0, j, 1));
+                }
             }
         }
         let last: Vec<Tensor<2>> = last.into_iter().flatten().collect();
