@@ -211,6 +211,18 @@ fn bench_refuses_nonsense() {
     let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-o", "xml"]);
     assert!(!ok);
     assert!(stderr.contains("invalid value 'xml'"), "{stderr}");
+    // --resume-spans counts spans: bench's own flag and the fill flags serve and chat share.
+    for cmd in ["bench", "serve", "chat"] {
+        let (ok, _, stderr) = ridgefill(&[cmd, "-m", &model, "--resume-spans", "-1"]);
+        assert!(!ok, "{cmd}");
+        assert!(
+            stderr.contains("unexpected argument '-1'"),
+            "{cmd}: {stderr}"
+        );
+        let (ok, _, stderr) = ridgefill(&[cmd, "-m", &model, "--resume-spans", "two"]);
+        assert!(!ok, "{cmd}");
+        assert!(stderr.contains("invalid value 'two'"), "{cmd}: {stderr}");
+    }
     let (ok, _, stderr) = ridgefill(&["bench", "-m", &model, "-b", "4,0"]);
     assert!(!ok);
     assert!(stderr.contains("batch size of at least 1"), "{stderr}");
