@@ -82,14 +82,13 @@ pub(crate) fn fill_upper(
     // A later prefill spends the budget of its new rows wherever its question points, earlier
     // turns' filled rows included (`FillRows::resume_budget`).
     let new = n - from;
-    let budget = if from == 0 {
-        rows.exact_rows(n)
-    } else {
-        rows.resume_budget(new)
-    };
-    // A follow-up with nothing to restore skips the scoring pass.
-    let (spans, coverage) = if rows.span_count(new) > 0 && (from == 0 || budget > 0) {
+    let (spans, coverage) = if rows.span_count(new) > 0 {
         let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
+        let budget = if from == 0 {
+            rows.exact_rows(n)
+        } else {
+            rows.resume_budget(new)
+        };
         let spans = choose_new_spans(
             &scores,
             bulk.clone(),
