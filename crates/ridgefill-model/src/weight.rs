@@ -9,10 +9,17 @@ use ridgefill_quant::{MatmulPath, QWeight};
 
 use crate::packed::PackedWeight;
 
+/// Fewest rows a reused prefill runs on the CPU kernels: up to four rows attend as decode rows
+/// (dot products over the stored cache) and the row-lane matmul kernels start at four rows; from
+/// here prompt rows also take a long prompt's matmul path ([`Rows::Prompt`]). From 8 rows
+/// SmolLM2's reused prefill gave the cold prefill's logits exactly on AVX-512 VNNI, where 1–4
+/// rows moved them by 0.39–0.47 (`tests/native_weights.rs`).
+pub const REUSE_FLOOR_ROWS: usize = 8;
+
 /// What a matmul's rows are, for the quantised CPU kernels' choice of path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Rows {
-    /// Prompt rows: from [`REUSE_FLOOR_ROWS`](crate::decoder::REUSE_FLOOR_ROWS) rows on they
+    /// Prompt rows: from [`REUSE_FLOOR_ROWS`] rows on they
     /// take the path a long prompt's chunks take (no 8-bit activations where those take the f32
     /// GEMM), so a follow-up turn's few new rows round as a cold prefill's would.
     Prompt,
@@ -235,7 +242,7 @@ fn block_matmul(x: Tensor<2>, w: &QWeight, residual: Option<Tensor<2>>, rows: Ro
     #[cfg(feature = "flex")]
     {
         let path = match rows {
-            Rows::Prompt if x.dims()[0] >= crate::decoder::REUSE_FLOOR_ROWS => MatmulPath::Prompt,
+            Rows::Prompt if x.dims()[0] >= REUSE_FLOOR_ROWS => MatmulPath::Prompt,
             _ => MatmulPath::Auto,
         };
         crate::cpu::qmatmul(x, w, residual, path)

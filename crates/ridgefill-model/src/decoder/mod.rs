@@ -44,12 +44,7 @@ pub const PREFILL_CHUNK: usize = 256;
 /// last rows run as a cold prefill runs them.
 pub const REUSE_MIN_ROWS: usize = 64;
 
-/// Fewest rows a reused prefill runs on the CPU kernels: up to four rows attend as decode rows
-/// (dot products over the stored cache) and the row-lane matmul kernels start at four rows; from
-/// here prompt rows also take a long prompt's matmul path ([`Rows::Prompt`]). From 8 rows
-/// SmolLM2's reused prefill gave the cold prefill's logits exactly on AVX-512 VNNI, where 1–4
-/// rows moved them by 0.39–0.47 (`tests/native_weights.rs`).
-pub const REUSE_FLOOR_ROWS: usize = 8;
+pub use crate::weight::REUSE_FLOOR_ROWS;
 
 /// How a block's attention and MLP run, chosen once per block when the model is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
