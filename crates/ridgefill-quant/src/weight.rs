@@ -15,6 +15,7 @@ use crate::kernels::{
 use crate::lanes;
 use crate::pool::Pool;
 use crate::simd::SimdLevel;
+use crate::small_gemm::{SMALL_M_MAX, dot_tiles};
 
 /// Errors of building a weight or calling a matmul with inconsistent sizes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -251,9 +252,10 @@ pub enum MatmulPath {
     Integer,
     /// Dequantise row chunks to f32 and run an f32 GEMM on them (no lasting f32 copy).
     DequantGemm,
-    /// The path [`MatmulPath::Auto`] takes for a large batch, at any `m`: prompt rows then
-    /// round alike whether a prefill runs them 8 or 256 at a time (a follow-up turn's few new
-    /// rows as a cold prefill's chunks), without running more rows to get there.
+    /// The path [`MatmulPath::Auto`] takes for a large batch, at any `m`: prompt rows then take
+    /// f32 products whether a prefill runs them 8 or 256 at a time (a follow-up turn's few new
+    /// rows as a cold prefill's chunks), without running more rows to get there. Only the
+    /// summation order differs (dot-product tiles below 64 rows on x86-64, the GEMM above).
     Prompt,
 }
 
@@ -521,7 +523,7 @@ impl QWeight {
             MatmulPath::DequantGemm => true,
         };
         if dequant {
-            self.matmul_gemm(pool, x, m, y);
+            self.matmul_gemm(level, pool, x, m, y);
         } else {
             self.matmul_int(level, pool, x, m, y);
         }
@@ -658,7 +660,14 @@ impl QWeight {
         });
     }
 
-    fn matmul_gemm(&self, pool: Option<&Pool>, x: &[f32], m: usize, y: &mut [f32]) {
+    fn matmul_gemm(
+        &self,
+        level: SimdLevel,
+        pool: Option<&Pool>,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) {
         let chunk = GEMM_CHUNK_ROWS;
         let out = OutPtr(y.as_mut_ptr());
         let (rows_total, cols) = (self.rows, self.cols);
@@ -671,6 +680,15 @@ impl QWeight {
                 w.resize(n * cols, 0.0);
                 // Cannot fail: the range is inside the part.
                 let _ = p.dequantize_rows_into(r0, &mut w[..n * cols]);
+                // SAFETY: y[0..m, dst_col..dst_col+n] (row stride rows_total) is inside y and
+                // written only by this chunk.
+                let small = m < SMALL_M_MAX
+                    && unsafe {
+                        dot_tiles(level, x, &w[..n * cols], cols, out.at(dst_col), rows_total)
+                    };
+                if small {
+                    return;
+                }
                 // SAFETY: dst is y[0..m, dst_col..dst_col+n] (row stride rows_total), inside y and
                 // written only by this chunk; lhs is x [m, cols]; rhs[k, j] = w[j·cols + k].
                 unsafe {
