@@ -22,8 +22,8 @@
 //! - For large batches (`m ≥` [`QWeight::f32_path_min_m`], per type and level) row chunks are
 //!   dequantised into a per-thread scratch and multiplied with the `gemm` crate's f32 GEMM instead;
 //!   so are a prompt's rows at any count ([`MatmulPath::Prompt`]), and below 64 of them on x86-64
-//!   the scratch meets the activations in hand-written f32 dot-product tiles (`small_gemm`: the
-//!   GEMM's packing and 16-row tiles cost a short prompt half its time).
+//!   without AVX-512 the scratch meets the activations in hand-written f32 dot-product tiles
+//!   (`small_gemm`: the GEMM's packing and 16-row tiles cost a short prompt half its time).
 //! - With AVX-512 VNNI or AVX-VNNI, Q4_0, Q4_1 and Q8_0 weights are rearranged once at load
 //!   ([`QMatrix::prepared_for`]) so sixteen rows' blocks sit side by side, one row per 32-bit
 //!   lane, as the kernels read them (see `lanes`; AVX-VNNI's 256-bit kernels take a tile as two

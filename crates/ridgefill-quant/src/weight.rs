@@ -255,7 +255,7 @@ pub enum MatmulPath {
     /// The path [`MatmulPath::Auto`] takes for a large batch, at any `m`: prompt rows then take
     /// f32 products whether a prefill runs them 8 or 256 at a time (a follow-up turn's few new
     /// rows as a cold prefill's chunks), without running more rows to get there. Only the
-    /// summation order differs (dot-product tiles below 64 rows on x86-64, the GEMM above).
+    /// summation order differs (dot-product tiles below 64 rows on AVX2, the GEMM above).
     Prompt,
 }
 
