@@ -330,6 +330,19 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
         spans.len() > 1,
         "several spans were to be chosen: {spans:?}"
     );
+    // The tail's ranking of the bulk (fused: `cpu::attention_received`) picks the same spans.
+    let plain_spans = Prefill::run(
+        &plain,
+        &ids[..PROMPT],
+        &mut plain.new_cache(PROMPT),
+        FillOptions::fill(&maps, rows),
+    )
+    .unwrap()
+    .spans;
+    assert_eq!(
+        spans, plain_spans,
+        "fused and plain tails chose other spans"
+    );
     check(
         "spans-adapt prefill",
         to_host_f32(a),

@@ -48,6 +48,7 @@ mod weight;
 pub use bytes::WeightBytes;
 pub use ridgefill_io::GgmlType;
 pub use simd::{SIMD_ENV, SimdLevel};
+pub use small_gemm::{dot_tiles, has_dot_tiles};
 pub use weight::{MatmulConfig, MatmulPath, QError, QMatrix, QWeight};
 
 // A model shares its weights across threads.

@@ -1,6 +1,6 @@
 //! `y = x·Wᵀ` in f32 for a few activation rows against a dequantised weight chunk: the prompt
 //! path's GEMM below [`SMALL_M_MAX`] rows, where a follow-up turn's or a short prompt's rows
-//! land.
+//! land. The model's fill also scores a prompt's tail against cached keys with it.
 //!
 //! Why hand-written: the `gemm` crate packs both operands on every call and tiles the output
 //! 16 × 6; a chat turn's 8–31 rows against a 64-row weight chunk spend most of their time in
@@ -31,7 +31,7 @@ pub(crate) const SMALL_M_MAX: usize = 64;
 /// # Safety
 /// `y` is valid for writes at `i·ys + j` for every `i < m`, `j < n`, and nothing else reads or
 /// writes those elements during the call.
-pub(crate) unsafe fn dot_tiles(
+pub unsafe fn dot_tiles(
     level: SimdLevel,
     x: &[f32],
     w: &[f32],
@@ -44,18 +44,24 @@ pub(crate) unsafe fn dot_tiles(
         "operands are not whole rows of {k}"
     );
     let (m, n) = (x.len() / k, w.len() / k);
-    // With AVX-512 the gemm crate runs 512-bit tiles; these were measured against it only on
-    // CPUs without (AVX2), so AVX-512 machines keep it.
-    let x86 = matches!(level, SimdLevel::Avx2 | SimdLevel::AvxVnni);
     #[cfg(target_arch = "x86_64")]
-    if x86 && level.is_available() {
-        // SAFETY: both levels include AVX2 and FMA, and this one is available; x
+    if has_dot_tiles(level) {
+        // SAFETY: both levels with tiles include AVX2 and FMA, and this one is available; x
         // and w hold m and n whole rows, and the caller guarantees `y`.
         unsafe { avx2::dot_tiles(x, m, w, n, k, y, ys) };
         return true;
     }
-    let _ = (x86, x, m, w, n, k, y, ys);
+    let _ = (x, m, w, n, k, y, ys);
     false
+}
+
+/// Whether [`dot_tiles`] runs at `level` on this CPU. With AVX-512 the gemm crate runs 512-bit
+/// tiles; these were measured against it only on CPUs without (AVX2), so AVX-512 machines keep
+/// it.
+pub fn has_dot_tiles(level: SimdLevel) -> bool {
+    cfg!(target_arch = "x86_64")
+        && matches!(level, SimdLevel::Avx2 | SimdLevel::AvxVnni)
+        && level.is_available()
 }
 
 #[cfg(target_arch = "x86_64")]

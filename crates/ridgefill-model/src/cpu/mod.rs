@@ -20,7 +20,7 @@ pub mod rows;
 pub mod simd;
 pub mod switches;
 
-pub use attention::{AttnItem, attention_many};
+pub use attention::{AttnItem, attention_many, attention_received};
 pub use flex::narrow_kv;
 pub use gemm::{matmul, matmul_add, qmatmul};
 pub use rows::{Rotation, fill_kv, fill_kv_into, qkv_rope, rms_norm, swiglu};

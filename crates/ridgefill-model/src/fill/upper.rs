@@ -236,6 +236,17 @@ pub fn tail_scores(
     let q = model.rope_of(l).apply(model.split_heads(q, heads), tail0);
     let (k, _) = cache.read(l);
     let keys = k.dims()[2];
+    // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i (the last `window` of them
+    // on a sliding-window layer).
+    let window = model.layers[l].window.unwrap_or(usize::MAX);
+    #[cfg(feature = "flex")]
+    if model.cpu_kernels() && window == usize::MAX && cfg.attn_logit_softcapping.is_none() {
+        let seen: Vec<usize> = (0..t).map(|i| (tail0 + i + 1).min(keys)).collect();
+        let scale = cfg.attention_scale() as f32;
+        if let Some(s) = crate::cpu::attention_received(q.clone(), k.clone(), &seen, scale) {
+            return finite_scores(s, l);
+        }
+    }
     let group = heads / kvh;
     let k = k
         .unsqueeze_dim::<5>(2)
@@ -249,9 +260,6 @@ pub fn tail_scores(
         Some(cap) => crate::decoder::attention::softcap(logits, cap),
         None => logits,
     };
-    // Tail row i sits at tail0 + i and sees keys 0..=tail0 + i (the last `window` of them
-    // on a sliding-window layer).
-    let window = model.layers[l].window.unwrap_or(usize::MAX);
     let bits: Vec<bool> = (0..t)
         .flat_map(|i| {
             let lo = (tail0 + i + 1).saturating_sub(window);
@@ -261,13 +269,20 @@ pub fn tail_scores(
     let mask = Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, t, keys]), &model.device)
         .expand([1, heads, t, keys]);
     let p = activation::softmax(logits.mask_fill(mask, f32::NEG_INFINITY), 3);
-    let s = crate::to_host_f32(p.sum_dim(1).sum_dim(2).reshape([keys]));
-    if let Some(i) = s.iter().position(|x| !x.is_finite()) {
-        return Err(ModelError::Invalid(format!(
+    finite_scores(
+        crate::to_host_f32(p.sum_dim(1).sum_dim(2).reshape([keys])),
+        l,
+    )
+}
+
+/// `s`, or an error naming the first position whose score is not finite.
+fn finite_scores(s: Vec<f32>, l: usize) -> Result<Vec<f32>> {
+    match s.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(ModelError::Invalid(format!(
             "non-finite attention score at position {i} in layer {l}"
-        )));
+        ))),
+        None => Ok(s),
     }
-    Ok(s)
 }
 
 #[cfg(test)]

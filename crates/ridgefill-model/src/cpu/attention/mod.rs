@@ -2,8 +2,11 @@
 //! stacked query heads, decode rows as dot products (or the x86 group kernel), every sequence's
 //! tasks in one parallel dispatch; masked entries are never scored.
 
+mod received;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use received::attention_received;
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, Tensor};
@@ -406,10 +409,6 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             group_gemm(buf, it, hg, b);
         }
     };
-    // Each thread keeps its buffers (scores are rows × keys: megabytes at long prompts).
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
-    }
     let run = |j: usize| SCRATCH.with(|b| task(&mut b.borrow_mut(), j));
     if work < ATTENTION_PARALLEL_MIN {
         (0..jobs).for_each(run);
@@ -419,16 +418,21 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     wrap(out, [rows, width])
 }
 
+thread_local! {
+    /// Each thread's attention buffers (scores are rows × keys: megabytes at long prompts).
+    pub(super) static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
 /// One attention task's buffers, kept per thread across tasks and calls.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    scores: Vec<f32>,
+    pub(super) scores: Vec<f32>,
     /// A GQA group's query rows, stacked.
-    q: Vec<f32>,
+    pub(super) q: Vec<f32>,
     /// Their outputs, before they go to their heads' columns.
     o: Vec<f32>,
     /// Keys seen by each stacked row.
-    live: Vec<usize>,
+    pub(super) live: Vec<usize>,
 }
 
 #[cfg(test)]
