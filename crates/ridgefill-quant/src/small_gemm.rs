@@ -51,7 +51,7 @@ pub unsafe fn dot_tiles(
         unsafe { avx2::dot_tiles(x, m, w, n, k, y, ys) };
         return true;
     }
-    let _ = (x, m, w, n, k, y, ys);
+    let _ = (level, x, m, w, n, k, y, ys);
     false
 }
 
