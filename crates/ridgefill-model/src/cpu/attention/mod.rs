@@ -8,6 +8,8 @@ mod x86;
 
 pub use received::attention_received;
 
+use std::ops::Range;
+
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, Tensor};
 use ridgefill_quant::pool;
@@ -249,19 +251,12 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     // A block of rows of one GQA group as two GEMMs, the group's query heads stacked as rows
     // (head-major), so the K/V head is packed once for all of them.
     let group_gemm = |buf: &mut Scratch, it: &Prep, hg: usize, b: usize| {
-        let (qs, q_head, q_row) = heads4(&it.q);
         let (ks, k_head, k_row) = heads4(&it.k);
         let (vs, v_head, v_row) = heads4(&it.v);
         let (r0, live, kv_end) = it.block(b);
         let rb = live.len();
         let m = group * rb;
-        buf.q.clear();
-        for h in hg * group..(hg + 1) * group {
-            for i in r0..r0 + rb {
-                buf.q
-                    .extend_from_slice(&qs[h * q_head + i * q_row as usize..][..hd]);
-            }
-        }
+        buf.stack_queries(&it.q, hg * group..(hg + 1) * group, r0..r0 + rb);
         buf.scores.resize(m * kv_end, 0.0);
         buf.o.resize(m * hd, 0.0);
         buf.live.clear();
@@ -428,11 +423,32 @@ thread_local! {
 pub(crate) struct Scratch {
     pub(super) scores: Vec<f32>,
     /// A GQA group's query rows, stacked.
-    pub(super) q: Vec<f32>,
+    q: Vec<f32>,
     /// Their outputs, before they go to their heads' columns.
     o: Vec<f32>,
     /// Keys seen by each stacked row.
     pub(super) live: Vec<usize>,
+}
+
+impl Scratch {
+    /// Stacks the query rows `rows` of heads `heads` of `q` (`[1, heads, n, hd]`), head-major,
+    /// so a GQA group's heads meet their shared K/V head in one product.
+    pub(super) fn stack_queries(
+        &mut self,
+        q: &FlexTensor,
+        heads: Range<usize>,
+        rows: Range<usize>,
+    ) {
+        let hd = q.layout().shape()[3];
+        let (qs, q_head, q_row) = heads4(q);
+        self.q.clear();
+        for h in heads {
+            for i in rows.clone() {
+                self.q
+                    .extend_from_slice(&qs[h * q_head + i * q_row as usize..][..hd]);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

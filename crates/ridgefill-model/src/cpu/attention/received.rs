@@ -38,7 +38,6 @@ pub fn attention_received(
         return None;
     }
     let (q, k) = (flex(q), flex(k));
-    let (qs, q_head, q_row) = heads4(&q);
     let (ks, k_head, k_row) = heads4(&k);
     // The tiles read whole rows back to back.
     if k_row != hd as isize {
@@ -48,15 +47,9 @@ pub fn attention_received(
     let mut sums = vec![0f32; kv_heads * keys];
     let sums_ptr = SendPtr(sums.as_mut_ptr());
     let task = |buf: &mut Scratch, hg: usize| {
-        buf.q.clear();
+        buf.stack_queries(&q, hg * group..(hg + 1) * group, 0..t);
         buf.live.clear();
-        for h in hg * group..(hg + 1) * group {
-            for i in 0..t {
-                buf.q
-                    .extend_from_slice(&qs[h * q_head + i * q_row as usize..][..hd]);
-            }
-            buf.live.extend_from_slice(seen);
-        }
+        (0..group).for_each(|_| buf.live.extend_from_slice(seen));
         let m = group * t;
         buf.scores.resize(m * kv_end, 0.0);
         let keys_of_head = &ks[hg * k_head..][..kv_end * hd];
