@@ -30,6 +30,30 @@ pub(crate) const QUERY_BLOCK: usize = 64;
 /// for a GEMM costs more than the product itself.
 pub(crate) const DOT_ROWS_MAX: usize = 4;
 
+/// A task's cost beyond its query rows, in rows: its setup and the K/V packing every task
+/// repeats (fitted on 2 AVX2 threads, 8–100 rows over 800–3000 keys).
+const TASK_OVERHEAD_ROWS: usize = 1;
+
+/// Query rows per block of one sequence's prefill rows, row `i` seeing `seen[i]` keys. Rows
+/// that see about as many keys as each other (a follow-up over a long cache) cost alike, so
+/// the block count is the one whose `kv_heads · blocks` tasks finish soonest on `threads`
+/// threads: 19 rows over 3000 keys as 2 blocks a K/V head (6 tasks on 2 threads) ran in 1.4 ms
+/// a layer against 1.6 as 3 (9 tasks, the last thread's one alone). A fresh prompt's causal rows
+/// cost more the later they are, so there several smaller tasks a thread balance instead.
+fn query_block(seen: &[usize], kv_heads: usize, threads: usize) -> usize {
+    let n = seen.len();
+    let alike = seen[0] * 2 >= seen[n - 1];
+    if !alike {
+        let want = (TASKS_PER_THREAD * threads).div_ceil(kv_heads);
+        return n.div_ceil(want).clamp(DOT_ROWS_MAX + 1, QUERY_BLOCK);
+    }
+    let fewest = n.div_ceil(QUERY_BLOCK);
+    let most = (n / (DOT_ROWS_MAX + 1)).max(fewest);
+    let finish = |b: usize| (kv_heads * b).div_ceil(threads) * (n.div_ceil(b) + TASK_OVERHEAD_ROWS);
+    let blocks = (fewest..=most).min_by_key(|&b| finish(b)).unwrap_or(fewest);
+    n.div_ceil(blocks)
+}
+
 simd_fn! {
     /// `scores[j] = scale · q·k_j` for keys `j < scores.len()`, key `j` at `ks[j·k_row..]`;
     /// value rows `vs[j·v_row..]` (read next, by [`weighted_values`]) are prefetched alongside.
@@ -172,16 +196,14 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 "attention_many: items differ in heads"
             );
             let decode = n <= DOT_ROWS_MAX;
-            // Blocks enough for every thread to get a few tasks, at most QUERY_BLOCK rows each.
-            let want = (TASKS_PER_THREAD * threads).div_ceil(kv_heads);
-            let qblock = n.div_ceil(want).clamp(DOT_ROWS_MAX + 1, QUERY_BLOCK);
-            let blocks = n.div_ceil(qblock);
             let past = t - n;
-            let seen = if it.seen.is_empty() {
+            let seen: Vec<usize> = if it.seen.is_empty() {
                 (0..n).map(|i| past + i + 1).collect()
             } else {
                 it.seen
             };
+            let qblock = query_block(&seen, kv_heads, threads);
+            let blocks = n.div_ceil(qblock);
             // Decode rows read an f16 cache in the group kernel; anything else widens it once.
             let half = it.k.dtype() == DType::F16;
             let direct = half && group_kernel && decode;
@@ -599,6 +621,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn query_blocks_balance_the_threads() {
+        let follow_up = |n: usize| -> Vec<usize> { (0..n).map(|i| 3000 + i + 1).collect() };
+        // 3 K/V heads on 2 threads: 2 blocks a head make 6 tasks, 3 per thread.
+        assert_eq!(query_block(&follow_up(19), 3, 2), 10);
+        assert_eq!(query_block(&follow_up(37), 3, 2), 19);
+        // One thread: one block, the K/V packed once.
+        assert_eq!(query_block(&follow_up(19), 3, 1), 19);
+        // Never more than QUERY_BLOCK rows, never blocks of decode size.
+        assert!(query_block(&follow_up(500), 3, 2) <= QUERY_BLOCK);
+        assert!(query_block(&follow_up(12), 3, 16) > DOT_ROWS_MAX);
+        // A fresh prompt's causal rows keep several tasks a thread.
+        let fresh: Vec<usize> = (1..=512).collect();
+        assert_eq!(query_block(&fresh, 3, 2), QUERY_BLOCK);
+        let fresh: Vec<usize> = (1..=40).collect();
+        assert_eq!(query_block(&fresh, 3, 2), 14);
     }
 
     #[test]
