@@ -3,6 +3,7 @@
 //! tasks in one parallel dispatch; masked entries are never scored.
 
 mod received;
+mod split;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -161,6 +162,11 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         /// Query rows per block, and blocks.
         qblock: usize,
         blocks: usize,
+        /// Decode rows: chunks of keys per K/V head (merged after the tasks), keys per chunk,
+        /// and the first of this sequence's rows' softmax parts.
+        chunks: usize,
+        chunk_keys: usize,
+        part0: usize,
         /// First output row.
         row0: usize,
         /// First task.
@@ -185,7 +191,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let group_kernel = x86::available(hd);
     #[cfg(not(target_arch = "x86_64"))]
     let group_kernel = false;
-    let (mut rows, mut jobs, mut work) = (0, 0, 0);
+    let (mut rows, mut jobs, mut work, mut part_rows) = (0, 0, 0, 0);
     let preps: Vec<Prep> = items
         .into_iter()
         .map(|it| {
@@ -204,6 +210,12 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             };
             let qblock = query_block(&seen, kv_heads, threads);
             let blocks = n.div_ceil(qblock);
+            let keys = seen[n - 1];
+            let chunks = if group_kernel && decode {
+                split::key_chunks(keys, kv_heads, threads)
+            } else {
+                1
+            };
             // Decode rows read an f16 cache in the group kernel; anything else widens it once.
             let half = it.k.dtype() == DType::F16;
             let direct = half && group_kernel && decode;
@@ -224,15 +236,26 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 blocks,
                 row0: rows,
                 job0: jobs,
+                chunks,
+                chunk_keys: keys.div_ceil(chunks),
+                part0: part_rows,
             };
             rows += n;
-            jobs += kv_heads * blocks;
+            jobs += kv_heads * blocks * chunks;
+            if chunks > 1 {
+                part_rows += n;
+            }
             work += heads * n * t * hd;
             p
         })
         .collect();
     let mut out = vec![0f32; rows * width];
     let out_ptr = SendPtr(out.as_mut_ptr());
+    // Split decode rows' softmax parts: per row, head and chunk, one `split::slot_len` slot.
+    let chunks_max = preps.iter().map(|p| p.chunks).max().unwrap_or(1);
+    let slot = split::slot_len(hd);
+    let mut parts = vec![0f32; part_rows * heads * chunks_max * slot];
+    let parts_ptr = SendPtr(parts.as_mut_ptr());
     // A decode row of one head as dot products over the keys it sees.
     let one_head = |scores: &mut Vec<f32>, it: &Prep, h: usize, b: usize| {
         let (qs, q_head, q_row) = heads4(&it.q);
@@ -348,26 +371,37 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     };
     // A decode task's GQA group through the hand-written kernel: each K/V row read once.
     #[cfg(target_arch = "x86_64")]
-    let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize| -> bool {
+    let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize, ch: usize| -> bool {
         if !group_kernel || !it.decode {
             return false;
         }
-        let ctx = (group, hd, width, scale, out_ptr);
+        let ctx = (group, hd, width, scale, out_ptr, parts_ptr, chunks_max);
         if it.half {
-            group_of_rows::<half::f16>(scores, it, hg, b, ctx);
+            group_of_rows::<half::f16>(scores, it, hg, b, ch, ctx);
         } else {
-            group_of_rows::<f32>(scores, it, hg, b, ctx);
+            group_of_rows::<f32>(scores, it, hg, b, ch, ctx);
         }
         true
     };
-    // One task's rows of one GQA group, K/V of either element type.
+    // One task's rows of one GQA group, K/V of either element type: whole, or chunk `ch` of
+    // the keys as softmax parts.
     #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::type_complexity)]
     fn group_of_rows<E: x86::KvElem + KvView>(
         scores: &mut Vec<f32>,
         it: &Prep,
         hg: usize,
         b: usize,
-        (group, hd, width, scale, out_ptr): (usize, usize, usize, f32, SendPtr),
+        ch: usize,
+        (group, hd, width, scale, out_ptr, parts_ptr, chunks_max): (
+            usize,
+            usize,
+            usize,
+            f32,
+            SendPtr,
+            SendPtr,
+            usize,
+        ),
     ) {
         let (qs, q_head, q_row) = heads4(&it.q);
         let (ks, k_head, k_row) = E::view(&it.k);
@@ -387,6 +421,47 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             let q: Vec<&[f32]> = (hg * group..(hg + 1) * group)
                 .map(|h| &qs[h * q_head + (r0 + i) * q_row as usize..][..hd])
                 .collect();
+            if it.chunks > 1 {
+                let slot = split::slot_len(hd);
+                // This row's slots: head h, chunk c at (h · chunks_max + c) · slot.
+                let base = (it.part0 + r0 + i) * (width / hd) * chunks_max * slot;
+                let (lo, hi) = (ch * it.chunk_keys, ((ch + 1) * it.chunk_keys).min(live));
+                let mut stats = vec![(0f32, 0f32); group];
+                let mut outs: Vec<&mut [f32]> = (hg * group..(hg + 1) * group)
+                    .map(|h| {
+                        let at = base + (h * chunks_max + ch) * slot + 2;
+                        // SAFETY: this task alone writes its rows' slots of its heads and chunk.
+                        unsafe { std::slice::from_raw_parts_mut(parts_ptr.get().add(at), hd) }
+                    })
+                    .collect();
+                if lo < hi {
+                    // SAFETY: `available(hd)` checked; keys and values lo..hi < live are inside
+                    // k0 / v0 (asserted above).
+                    unsafe {
+                        x86::group_part(
+                            &q,
+                            k0.as_ptr().add(lo * k_row as usize),
+                            k_row as usize,
+                            v0.as_ptr().add(lo * v_row as usize),
+                            v_row as usize,
+                            hi - lo,
+                            scale,
+                            scores,
+                            &mut outs,
+                            &mut stats,
+                        )
+                    };
+                }
+                for (g, &(top, sum)) in stats.iter().enumerate() {
+                    let at = base + ((hg * group + g) * chunks_max + ch) * slot;
+                    // SAFETY: as above; an empty chunk leaves a sum of 0, skipped by the merge.
+                    unsafe {
+                        *parts_ptr.get().add(at) = top;
+                        *parts_ptr.get().add(at + 1) = if lo < hi { sum } else { 0.0 };
+                    }
+                }
+                continue;
+            }
             let at = (it.row0 + r0 + i) * width + hg * group * hd;
             // SAFETY: this task alone writes its rows' columns of its group's heads.
             let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), group * hd) };
@@ -409,12 +484,13 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let group_rows = |_: &mut Vec<f32>, _: &Prep, _: usize, _: usize| false;
+    let group_rows = |_: &mut Vec<f32>, _: &Prep, _: usize, _: usize, _: usize| false;
     let task = |buf: &mut Scratch, job: usize| {
         let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
         let j = job - it.job0;
-        let (hg, b) = (j / it.blocks, j % it.blocks);
-        if group_rows(&mut buf.scores, it, hg, b) {
+        let per_head = it.blocks * it.chunks;
+        let (hg, b, ch) = (j / per_head, j % per_head / it.chunks, j % it.chunks);
+        if group_rows(&mut buf.scores, it, hg, b, ch) {
             return;
         }
         let (k_row, v_row) = (it.k.layout().strides()[2], it.v.layout().strides()[2]);
@@ -431,6 +507,16 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         (0..jobs).for_each(run);
     } else {
         pool::for_each(jobs, &run);
+    }
+    let slot_row = heads * chunks_max * slot;
+    for it in preps.iter().filter(|p| p.chunks > 1) {
+        for r in 0..it.n {
+            let row = &parts[(it.part0 + r) * slot_row..][..slot_row];
+            for h in 0..heads {
+                let head = &row[h * chunks_max * slot..][..it.chunks * slot];
+                split::merge(head, hd, &mut out[(it.row0 + r) * width + h * hd..][..hd]);
+            }
+        }
     }
     wrap(out, [rows, width])
 }
@@ -474,191 +560,4 @@ impl Scratch {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::tensor::{Device, FloatDType, TensorData};
-
-    /// Naive attention of one query row against the first `live` keys of one K/V head.
-    fn naive_row(q: &[f32], k: &[f32], v: &[f32], hd: usize, live: usize) -> Vec<f32> {
-        let scale = 1.0 / (hd as f32).sqrt();
-        let s: Vec<f64> = (0..live)
-            .map(|j| (0..hd).map(|d| (q[d] * k[j * hd + d]) as f64).sum::<f64>() * scale as f64)
-            .collect();
-        let m = s.iter().cloned().fold(f64::MIN, f64::max);
-        let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
-        (0..hd)
-            .map(|d| {
-                (0..live)
-                    .map(|j| (s[j] - m).exp() / z * v[j * hd + d] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect()
-    }
-
-    #[test]
-    fn attention_rows_match_naive() {
-        for half in [false, true] {
-            attention_matches_naive(half);
-        }
-    }
-
-    /// Decode rows (the group kernel) and prefill rows (an f16 cache widened first) against a
-    /// naive attention over the same (rounded) K/V.
-    fn attention_matches_naive(half: bool) {
-        let device = Device::flex();
-        let (heads, kv_heads) = (9, 3);
-        let round = |x: Vec<f32>| -> Vec<f32> {
-            if half {
-                x.into_iter()
-                    .map(|v| half::f16::from_f32(v).to_f32())
-                    .collect()
-            } else {
-                x
-            }
-        };
-        let to_kv = |x: Vec<f32>, shape: [usize; 4]| {
-            let t = Tensor::<4>::from_data(TensorData::new(x, shape), &device);
-            if half { t.cast(FloatDType::F16) } else { t }
-        };
-        for hd in [64, 128, 48] {
-            // Cache lengths around the 16-key blocks, sequences batched into one call.
-            let lens = [1usize, 15, 16, 17, 40];
-            let mut seed = 7u32;
-            let mut rnd = |n: usize| -> Vec<f32> {
-                (0..n)
-                    .map(|_| {
-                        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                        (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-                    })
-                    .collect()
-            };
-            let data: Vec<_> = lens
-                .iter()
-                .map(|&t| {
-                    (
-                        rnd(heads * hd),
-                        round(rnd(kv_heads * t * hd)),
-                        round(rnd(kv_heads * t * hd)),
-                    )
-                })
-                .collect();
-            let items = data
-                .iter()
-                .zip(lens)
-                .map(|((q, k, v), t)| AttnItem {
-                    q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, 1, hd]), &device),
-                    k: to_kv(k.clone(), [1, kv_heads, t, hd]),
-                    v: to_kv(v.clone(), [1, kv_heads, t, hd]),
-                    seen: Vec::new(),
-                })
-                .collect();
-            let got = attention_many(items)
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap();
-            for (s, ((q, k, v), t)) in data.iter().zip(lens).enumerate() {
-                for h in 0..heads {
-                    let kh = h / (heads / kv_heads);
-                    let want = naive_row(
-                        &q[h * hd..][..hd],
-                        &k[kh * t * hd..][..t * hd],
-                        &v[kh * t * hd..][..t * hd],
-                        hd,
-                        t,
-                    );
-                    let row = &got[s * heads * hd + h * hd..][..hd];
-                    for (d, (a, b)) in row.iter().zip(&want).enumerate() {
-                        assert!(
-                            (a - b).abs() < 1e-4,
-                            "half {half} hd {hd} seq {s} head {h} col {d}: {a} vs {b}"
-                        );
-                    }
-                }
-            }
-            // Prefill rows (past the decode kernel's row count): the last `n` of `t` positions,
-            // and rows at scattered positions (an exact pass) over more than one query block.
-            let scattered: Vec<usize> = (0..130).map(|i| i * 2 + i % 3).chain([299]).collect();
-            for (n, t, seen) in [
-                (DOT_ROWS_MAX + 3, 21, Vec::new()),
-                (
-                    scattered.len(),
-                    300,
-                    scattered.iter().map(|p| p + 1).collect(),
-                ),
-            ] {
-                let q = rnd(heads * n * hd);
-                let (k, v) = (round(rnd(kv_heads * t * hd)), round(rnd(kv_heads * t * hd)));
-                let live = |i: usize| seen.get(i).copied().unwrap_or(t - n + i + 1);
-                let item = AttnItem {
-                    q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, n, hd]), &device),
-                    k: to_kv(k.clone(), [1, kv_heads, t, hd]),
-                    v: to_kv(v.clone(), [1, kv_heads, t, hd]),
-                    seen: seen.clone(),
-                };
-                let got = attention_many(vec![item])
-                    .into_data()
-                    .try_to_vec::<f32>()
-                    .unwrap();
-                for i in 0..n {
-                    for h in 0..heads {
-                        let kh = h / (heads / kv_heads);
-                        let want = naive_row(
-                            &q[(h * n + i) * hd..][..hd],
-                            &k[kh * t * hd..][..t * hd],
-                            &v[kh * t * hd..][..t * hd],
-                            hd,
-                            live(i),
-                        );
-                        let row = &got[i * heads * hd + h * hd..][..hd];
-                        for (d, (a, b)) in row.iter().zip(&want).enumerate() {
-                            assert!(
-                                (a - b).abs() < 1e-4,
-                                "prefill half {half} hd {hd} n {n} row {i} head {h} col {d}: \
-                                 {a} vs {b}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn query_blocks_balance_the_threads() {
-        let follow_up = |n: usize| -> Vec<usize> { (0..n).map(|i| 3000 + i + 1).collect() };
-        // 3 K/V heads on 2 threads: 2 blocks a head make 6 tasks, 3 per thread.
-        assert_eq!(query_block(&follow_up(19), 3, 2), 10);
-        assert_eq!(query_block(&follow_up(37), 3, 2), 19);
-        // One thread: one block, the K/V packed once.
-        assert_eq!(query_block(&follow_up(19), 3, 1), 19);
-        // Never more than QUERY_BLOCK rows, never blocks of decode size.
-        assert!(query_block(&follow_up(500), 3, 2) <= QUERY_BLOCK);
-        assert!(query_block(&follow_up(12), 3, 16) > DOT_ROWS_MAX);
-        // A fresh prompt's causal rows keep several tasks a thread.
-        let fresh: Vec<usize> = (1..=512).collect();
-        assert_eq!(query_block(&fresh, 3, 2), QUERY_BLOCK);
-        let fresh: Vec<usize> = (1..=40).collect();
-        assert_eq!(query_block(&fresh, 3, 2), 14);
-    }
-
-    #[test]
-    fn softmax_rows_are_causal_and_sum_to_one() {
-        let (rows, width, seen0) = (3, 5, 2);
-        let mut s: Vec<f32> = (0..rows * width).map(|i| (i % 7) as f32 * 0.5).collect();
-        let orig = s.clone();
-        let live: Vec<usize> = (0..rows).map(|r| seen0 + r).collect();
-        softmax_rows(&mut s, width, &live);
-        for r in 0..rows {
-            let row = &s[r * width..][..width];
-            let live = seen0 + r;
-            assert!(row[live..].iter().all(|&x| x == 0.0), "row {r}: {row:?}");
-            let o = &orig[r * width..][..live];
-            let m = o.iter().cloned().fold(f32::MIN, f32::max);
-            let z: f32 = o.iter().map(|x| (x - m).exp()).sum();
-            for (j, &x) in row[..live].iter().enumerate() {
-                let want = (o[j] - m).exp() / z;
-                assert!((x - want).abs() < 1e-6, "row {r} col {j}: {x} vs {want}");
-            }
-        }
-    }
-}
+mod tests;

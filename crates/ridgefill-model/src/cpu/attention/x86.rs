@@ -1,5 +1,6 @@
 //! AVX-512 decode attention for one GQA group: the query heads that share a K/V head are scored
-//! against each key while its row is in L1, and weighted with each value row read once.
+//! against each key while its row is in L1, and weighted with each value row read once; AVX2
+//! machines run [`avx2`]'s kernel of the same shape.
 //!
 //! Written by hand because the portable loops in `cpu/attention/mod.rs` leave a horizontal sum per key and
 //! head: the compiler vectorised `dot_scores` two floats wide without FMA, and it was 16% of an
@@ -7,11 +8,13 @@
 //! together by a shuffle tree (about three instructions per key). K and V are read as f32 or
 //! as f16 (the fused path's cache), widened in registers.
 
+mod avx2;
+
 use std::arch::x86_64::*;
 
 use half::f16;
 
-use crate::cpu::simd::{Width, softmax_rows};
+use crate::cpu::simd::{Width, exp_shifted_sum, max_of};
 
 /// A cached K/V element type: f32, or f16 widened on load.
 pub trait KvElem: Copy {
@@ -54,21 +57,24 @@ const PREFETCH_KEYS: usize = 16;
 /// Bytes per cache line (one prefetch each).
 const LINE: usize = 64;
 
-/// Whether the CPU runs these kernels and `hd` is one they take.
+/// Whether the CPU runs these kernels (or the AVX2 ones) and `hd` is one they take.
 pub fn available(hd: usize) -> bool {
-    matches!(hd / W, 4 | 8 | 16)
-        && hd.is_multiple_of(W)
-        && Width::current() == Width::Avx512
-        && std::arch::is_x86_feature_detected!("f16c")
+    match Width::current() {
+        Width::Avx512 => {
+            matches!(hd / W, 4 | 8 | 16)
+                && hd.is_multiple_of(W)
+                && std::arch::is_x86_feature_detected!("f16c")
+        }
+        Width::Avx2 => avx2::available(hd),
+        Width::Scalar => false,
+    }
 }
 
 /// One query row per head of a GQA group against the group's first `n` keys:
 /// `outs[h] = softmax(scale · K qs[h]) V`.
 ///
 /// # Safety
-/// [`available`]`(hd)` holds for `hd = qs[h].len()` (the same for every head and `outs[h]`);
-/// keys `j < n` are at `ks + j·k_row` and values at `vs + j·v_row`, `hd` readable elements each;
-/// `n ≥ 1`.
+/// As [`group_part`].
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn group_row<E: KvElem>(
     qs: &[&[f32]],
@@ -81,15 +87,50 @@ pub unsafe fn group_row<E: KvElem>(
     scores: &mut Vec<f32>,
     outs: &mut [&mut [f32]],
 ) {
+    let mut stats = vec![(0f32, 0f32); qs.len()];
+    // SAFETY: forwarded from the caller.
+    unsafe { group_part(qs, ks, k_row, vs, v_row, n, scale, scores, outs, &mut stats) };
+    for (o, &(_, sum)) in outs.iter_mut().zip(&stats) {
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// [`group_row`] before the division by the softmax's sum, so that parts of one row over
+/// separate key ranges can be merged: `stats[h] = (m, l)` with `m` the largest score and
+/// `l = Σ_j e^(s_j − m)`, and `outs[h] = Σ_j e^(s_j − m) v_j`.
+///
+/// # Safety
+/// [`available`]`(hd)` holds for `hd = qs[h].len()` (the same for every head and `outs[h]`);
+/// keys `j < n` are at `ks + j·k_row` and values at `vs + j·v_row`, `hd` readable elements each;
+/// `n ≥ 1`; `stats` holds one pair per head.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn group_part<E: KvElem>(
+    qs: &[&[f32]],
+    ks: *const E,
+    k_row: usize,
+    vs: *const E,
+    v_row: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    outs: &mut [&mut [f32]],
+    stats: &mut [(f32, f32)],
+) {
+    if Width::current() != Width::Avx512 {
+        // SAFETY: forwarded from the caller; `available` checked the CPU and `hd`.
+        unsafe { avx2::group_part(qs, ks, k_row, vs, v_row, n, scale, scores, outs, stats) };
+        return;
+    }
     let g = qs.len();
     scores.clear();
     scores.resize(g * n, 0.0);
     // SAFETY: forwarded from the caller; `available` checked the CPU and `hd`.
     unsafe {
         match qs[0].len() / W {
-            4 => run::<E, 4>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
-            8 => run::<E, 8>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
-            _ => run::<E, 16>(qs, ks, k_row, vs, v_row, n, scale, scores, outs),
+            4 => run::<E, 4>(qs, ks, k_row, vs, v_row, n, scale, scores, outs, stats),
+            8 => run::<E, 8>(qs, ks, k_row, vs, v_row, n, scale, scores, outs, stats),
+            _ => run::<E, 16>(qs, ks, k_row, vs, v_row, n, scale, scores, outs, stats),
         }
     }
 }
@@ -106,13 +147,15 @@ unsafe fn run<E: KvElem, const D: usize>(
     scale: f32,
     scores: &mut [f32],
     outs: &mut [&mut [f32]],
+    stats: &mut [(f32, f32)],
 ) {
     // SAFETY: the caller's contract covers every key and value row read below.
     unsafe {
         for (h, q) in qs.iter().enumerate() {
             let row = &mut scores[h * n..][..n];
             scores_of::<E, D>(q.as_ptr(), ks, k_row, vs, v_row, scale, row, h == 0);
-            softmax_rows(row, n, &[n]);
+            let top = max_of(row);
+            stats[h] = (top, exp_shifted_sum(row, top));
         }
         match VALUE_REGS / D {
             4 => weigh::<E, D, 4>(scores, n, vs, v_row, outs),
