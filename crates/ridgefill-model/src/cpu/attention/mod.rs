@@ -165,6 +165,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         /// Decode rows: chunks of keys per K/V head (merged after the tasks), keys per chunk,
         /// and the first of this sequence's rows' softmax parts.
         chunks: usize,
+        #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
         chunk_keys: usize,
         part0: usize,
         /// First output row.
@@ -255,6 +256,8 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let chunks_max = preps.iter().map(|p| p.chunks).max().unwrap_or(1);
     let slot = split::slot_len(hd);
     let mut parts = vec![0f32; part_rows * heads * chunks_max * slot];
+    // Written only by the x86 group kernels (elsewhere every sequence keeps one chunk).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     let parts_ptr = SendPtr(parts.as_mut_ptr());
     // A decode row of one head as dot products over the keys it sees.
     let one_head = |scores: &mut Vec<f32>, it: &Prep, h: usize, b: usize| {
