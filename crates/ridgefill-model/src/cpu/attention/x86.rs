@@ -57,6 +57,17 @@ const PREFETCH_KEYS: usize = 16;
 /// Bytes per cache line (one prefetch each).
 const LINE: usize = 64;
 
+/// Prefetches the `bytes` bytes at `p` into L1, a line at a time (a prefetch never faults).
+#[inline]
+#[target_feature(enable = "sse")]
+fn prefetch_bytes(p: *const i8, bytes: usize) {
+    let mut at = 0;
+    while at < bytes {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at));
+        at += LINE;
+    }
+}
+
 /// Whether the CPU runs these kernels (or the AVX2 ones) and `hd` is one they take.
 pub fn available(hd: usize) -> bool {
     match Width::current() {
@@ -192,16 +203,12 @@ unsafe fn scores_of<E: KvElem, const D: usize>(
                 let j = j0 + kk;
                 let k = ks.add(j * k_row);
                 if prefetch {
-                    let (kp, vp) = (
-                        ks.wrapping_add((j + PREFETCH_KEYS) * k_row),
-                        vs.wrapping_add(j * v_row),
+                    let row = D * W * size_of::<E>();
+                    prefetch_bytes(
+                        ks.wrapping_add((j + PREFETCH_KEYS) * k_row) as *const i8,
+                        row,
                     );
-                    let mut at = 0;
-                    while at < D * W * size_of::<E>() {
-                        _mm_prefetch::<_MM_HINT_T0>((kp as *const i8).wrapping_add(at));
-                        _mm_prefetch::<_MM_HINT_T0>((vp as *const i8).wrapping_add(at));
-                        at += LINE;
-                    }
+                    prefetch_bytes(vs.wrapping_add(j * v_row) as *const i8, row);
                 }
                 let mut s = _mm512_mul_ps(qv[0], load16(k));
                 for (c, qc) in qv.iter().enumerate().skip(1) {

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::KvElem;
+use super::{KvElem, prefetch_bytes};
 use crate::cpu::simd::{exp_shifted_sum, max_of};
 
 /// f32 lanes per vector.
@@ -24,8 +24,6 @@ const VALUE_HEADS: usize = 4;
 const VALUE_COLS: usize = 2;
 /// Keys ahead whose rows are prefetched.
 const PREFETCH_KEYS: usize = 8;
-/// Bytes per cache line (one prefetch each).
-const LINE: usize = 64;
 
 /// Whether the CPU runs this kernel and `hd` is one it takes.
 pub fn available(hd: usize) -> bool {
@@ -50,17 +48,6 @@ unsafe fn load8<E: KvElem>(p: *const E) -> __m256 {
         } else {
             _mm256_loadu_ps(p as *const f32)
         }
-    }
-}
-
-/// Prefetches the `bytes` bytes at `p` (never faults).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn prefetch(p: *const i8, bytes: usize) {
-    let mut at = 0;
-    while at < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at));
-        at += LINE;
     }
 }
 
@@ -137,12 +124,12 @@ unsafe fn scores_of<E: KvElem, const H: usize>(
             // SAFETY: key j < n is readable (caller); q rows hold hd floats.
             unsafe {
                 let k = ks.add(j * k_row);
-                prefetch(
+                prefetch_bytes(
                     ks.wrapping_add((j + PREFETCH_KEYS) * k_row) as *const i8,
                     row_bytes,
                 );
                 if h0 == 0 {
-                    prefetch(vs.wrapping_add(j * v_row) as *const i8, row_bytes);
+                    prefetch_bytes(vs.wrapping_add(j * v_row) as *const i8, row_bytes);
                 }
                 let mut c = 0;
                 while c < hd {
@@ -210,7 +197,7 @@ unsafe fn weigh<E: KvElem>(
                 // holds g rows of n.
                 unsafe {
                     let v = vs.add(j * v_row + c0 * W);
-                    prefetch(
+                    prefetch_bytes(
                         vs.wrapping_add((j + PREFETCH_KEYS) * v_row + c0 * W) as *const i8,
                         cc * W * size_of::<E>(),
                     );
