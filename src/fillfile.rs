@@ -177,6 +177,8 @@ pub fn configure(
         },
         min_coverage: choice.min_coverage,
         resume_spans: choice.resume_spans,
+        resume_min_attention: choice.resume_min_attention,
+        resume_layers: choice.resume_layers,
     };
     let (mut maps, rows) = method.configure(maps, rows)?;
     if let (Some(w), Some(a)) = (choice.adapt_weight, maps.adapt.as_mut()) {
@@ -216,6 +218,10 @@ pub struct MethodChoice {
     pub min_coverage: f64,
     /// Spans a follow-up over a cached prefix restores among earlier filled rows.
     pub resume_spans: usize,
+    /// The least share of a follow-up's attention on filled rows for which it restores spans.
+    pub resume_min_attention: f64,
+    /// Upper layers a follow-up's restored rows run (`None`: every one).
+    pub resume_layers: Option<usize>,
     /// Fill files at deeper splits, tried in turn when the self-check fails.
     pub deeper: Vec<std::path::PathBuf>,
 }

@@ -195,7 +195,8 @@ fn a_pause_between_turns_settles_the_filled_rows() {
         "reused, restored nothing: {seen:?}"
     );
 
-    let seen = run(&["--no-settle"]);
+    // Restoring whatever share of attention the filled rows draw: the spans' mechanics.
+    let seen = run(&["--no-settle", "--resume-min-attention", "0"]);
     assert!(
         !seen.iter().any(|l| l.starts_with("chat: settled ")),
         "{seen:?}"

@@ -131,7 +131,9 @@ fn a_later_prefill_restores_the_earlier_rows_its_spans_choose() {
 /// A short follow-up (no longer than its tail, so every new row runs exactly) over a cache whose
 /// first prompt random maps filled: with `resume_spans` 0 it restores nothing and skips the
 /// scoring, so its logits are full prefill's of the new rows over that same filled cache; with
-/// the default it restores the spans its question chooses among the filled rows.
+/// the default it restores the spans its question chooses among the filled rows, unless they
+/// draw less than `resume_min_attention` of its attention; with `resume_layers` the restored
+/// rows run only that many upper layers.
 #[test]
 fn a_follow_up_restoring_no_spans_is_full_prefill_over_the_filled_cache() {
     common::init();
@@ -159,12 +161,12 @@ fn a_follow_up_restoring_no_spans_is_full_prefill_over_the_filled_cache() {
             .prefill(&ids[FIRST + DECODED..], &mut full_cache)
             .unwrap(),
     );
-    let follow_up = |resume_spans: usize| {
-        let rows = FillRows {
-            tail: later,
-            resume_spans,
-            ..spans_rows(later, 0.05, 4)
-        };
+    let base = FillRows {
+        tail: later,
+        resume_min_attention: 0.0,
+        ..spans_rows(later, 0.05, 4)
+    };
+    let resume = |rows: FillRows| {
         let mut c = cache.clone();
         let f = Prefill::resume(
             &model,
@@ -176,21 +178,85 @@ fn a_follow_up_restoring_no_spans_is_full_prefill_over_the_filled_cache() {
         .unwrap()
         .finish(&mut c)
         .unwrap();
-        (to_host_f32(f.logits), f.report)
+        (to_host_f32(f.logits), f.report, c, f.history.unwrap())
     };
-    let (got, report) = follow_up(0);
+    let follow_up = |resume_spans: usize, resume_min_attention: f64| {
+        let (logits, report, _, _) = resume(FillRows {
+            resume_spans,
+            resume_min_attention,
+            ..base
+        });
+        (logits, report)
+    };
+    let (got, report) = follow_up(0, 0.0);
     assert_eq!((report.restored, report.filled), (0, 0), "{report:?}");
     let d = common::max_abs_diff(&want, &got);
     assert!(
         d < 1e-4,
         "no spans restored vs full prefill over the filled cache: max |Δ| {d}"
     );
-    let (got, report) = follow_up(ridgefill::model::fill::RESUME_MIN_SPANS);
+    let (got, report) = follow_up(ridgefill::model::fill::RESUME_MIN_SPANS, 0.0);
     assert!(report.restored > 0, "{report:?}");
+    // A question that reads the filled rows less than the threshold restores none: full
+    // prefill's logits over the filled cache again, and the share it read is reported.
+    let share = report
+        .filled_attention
+        .expect("a follow-up scores the filled rows");
+    assert!(share > 0.0 && share < 1.0, "{report:?}");
+    let (glanced, low) = follow_up(ridgefill::model::fill::RESUME_MIN_SPANS, share + 1e-3);
+    assert_eq!((low.restored, low.filled), (0, 0), "{low:?}");
+    assert_eq!(low.filled_attention, Some(share));
+    let d = common::max_abs_diff(&want, &glanced);
+    assert!(
+        d < 1e-4,
+        "a follow-up under the threshold vs full prefill: max |Δ| {d}"
+    );
+    let (_, high) = follow_up(ridgefill::model::fill::RESUME_MIN_SPANS, share - 1e-3);
+    assert_eq!(high.restored, report.restored, "{high:?}");
     let d = common::max_abs_diff(&want, &got);
     assert!(
         d > 1e-4,
         "restored rows left the logits as they were (max |Δ| {d})"
+    );
+
+    // Restored through the first upper layer only: the span's layer-2 K/V are the whole
+    // restore's, its layer-3 K/V still the fill's, and its rows stay filled for settling.
+    let (_, whole, whole_cache, whole_history) = resume(base);
+    let (_, part, part_cache, part_history) = resume(FillRows {
+        resume_layers: Some(1),
+        ..base
+    });
+    assert_eq!(part.restored, whole.restored, "{part:?}");
+    let old = 0..FIRST;
+    let d = common::max_abs_diff(
+        &kv_rows(&whole_cache, 2, old.clone()),
+        &kv_rows(&part_cache, 2, old.clone()),
+    );
+    assert!(d < 1e-6, "layer 2, partial vs whole restore: max |Δ| {d}");
+    let d = common::max_abs_diff(
+        &kv_rows(&cache, 3, old.clone()),
+        &kv_rows(&part_cache, 3, old.clone()),
+    );
+    assert!(
+        d < 1e-6,
+        "layer 3, partial restore vs the fill: max |Δ| {d}"
+    );
+    let d = common::max_abs_diff(
+        &kv_rows(&cache, 3, old.clone()),
+        &kv_rows(&whole_cache, 3, old.clone()),
+    );
+    assert!(
+        d > 1e-3,
+        "the whole restore left layer 3 as filled (max |Δ| {d})"
+    );
+    assert_eq!(
+        part_history.filled(FIRST),
+        history.filled(FIRST),
+        "partly restored rows stay filled"
+    );
+    assert_eq!(
+        whole_history.filled(FIRST) + whole.restored,
+        history.filled(FIRST)
     );
 }
 

@@ -164,7 +164,15 @@ fn an_idle_server_settles_filled_rows() {
     assert_eq!(c, 0, "a request without fill reused a settled cache");
     drop(server);
 
-    let server = start(&["--fill", fill, "--ctx", "1024", "--no-settle"]);
+    let server = start(&[
+        "--fill",
+        fill,
+        "--ctx",
+        "1024",
+        "--no-settle",
+        "--resume-min-attention",
+        "0",
+    ]);
     let port = server.port;
     let (status, _) = post(port, "/v1/chat/completions", &ask(q, json!({})));
     assert_eq!(status, 200);
@@ -173,6 +181,8 @@ fn an_idle_server_settles_filled_rows() {
     let (status, again) = post(port, "/v1/chat/completions", &ask(q, json!({})));
     assert_eq!(status, 200, "{again}");
     assert!(restored(&again) > 0, "{again}");
+    let share = again["usage"]["fill_report"]["filled_attention"].as_f64();
+    assert!(share.is_some_and(|s| s > 0.0 && s < 1.0), "{again}");
 }
 
 /// One slot, two conversations taking turns: the host cache (`--cache-ram`) keeps the one the

@@ -197,7 +197,10 @@ pub fn run(a: Args) -> Result<()> {
         let mut logits = to_host_f32(logits);
         if verbose {
             let fill = report.map_or_else(String::new, |r| {
-                format!(", {} filled, {} restored", r.filled, r.restored)
+                let share = r.filled_attention.map_or_else(String::new, |s| {
+                    format!(" ({:.1}% of attention on filled rows)", 100.0 * s)
+                });
+                format!(", {} filled, {} restored{share}", r.filled, r.restored)
             });
             // From the message read to the logits of its first token: the turn's TTFT.
             let ms = received.elapsed().as_secs_f64() * 1e3;

@@ -163,6 +163,14 @@ pub struct RowArgs {
     /// does, and earlier facts are read from filled K/V).
     #[arg(long, default_value_t = ridgefill::model::fill::RESUME_MIN_SPANS)]
     pub resume_spans: usize,
+    /// A follow-up restores its spans only when the earlier turns' filled rows take at least
+    /// this share (0 to 1) of its question's attention (0: always restore).
+    #[arg(long, value_parser = parse_share, default_value_t = ridgefill::model::fill::RESUME_MIN_ATTENTION)]
+    pub resume_min_attention: f64,
+    /// Upper layers, from the split, that a follow-up's restored rows run exactly (their K/V
+    /// above stay predicted until settling); default: every upper layer.
+    #[arg(long)]
+    pub resume_layers: Option<usize>,
 }
 
 impl RowArgs {
@@ -191,6 +199,8 @@ impl RowArgs {
                 .min_coverage
                 .unwrap_or(ridgefill::model::fill::DEFAULT_MIN_COVERAGE),
             resume_spans: self.resume_spans,
+            resume_min_attention: self.resume_min_attention,
+            resume_layers: self.resume_layers,
             deeper: self.fill_deeper.clone(),
         }
     }

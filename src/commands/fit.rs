@@ -479,6 +479,8 @@ pub fn fit_options(rows: &RowArgs, alpha: AlphaChoice) -> FitOptions {
             max_error: rows.max_fill_error.unwrap_or(f64::INFINITY),
             min_coverage: rows.min_coverage.unwrap_or(0.0),
             resume_spans: rows.resume_spans,
+            resume_min_attention: rows.resume_min_attention,
+            resume_layers: rows.resume_layers,
         },
         method: rows.method.unwrap_or(FillMethod::DEFAULT),
         adapt_weight: rows.adapt_weight.unwrap_or(DEFAULT_ADAPT_WEIGHT),

@@ -49,7 +49,7 @@ pub struct Args {
     #[arg(long, value_parser = parse_share)]
     pub exact: Option<f64>,
     /// Spans a `ppN @ dD` fill row restores among the filled prefix's rows when its new rows
-    /// all run exactly (0: none).
+    /// all run exactly, whatever share of attention those rows draw (0: none).
     #[arg(long, default_value_t = ridgefill::model::fill::RESUME_MIN_SPANS)]
     pub resume_spans: usize,
     /// Prompt lengths (prefill tests `ppN`), comma-separated.
@@ -197,6 +197,9 @@ fn load_modes<'a>(
         max_error: Some(f64::INFINITY),
         min_coverage: 0.0,
         resume_spans: a.resume_spans,
+        // Random tokens ask nothing: a `ppN @ dD` fill row measures what a restore costs.
+        resume_min_attention: 0.0,
+        resume_layers: None,
         deeper: Vec::new(),
     };
     if let Some(path) = &a.fill {
@@ -233,6 +236,7 @@ fn load_modes<'a>(
             tail: a.tail,
             exact: a.exact.unwrap_or(DEFAULT_EXACT),
             resume_spans: a.resume_spans,
+            resume_min_attention: 0.0,
             ..FillRows::default()
         };
         let (maps, rows) = method.configure(&maps, rows)?;

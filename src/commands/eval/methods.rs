@@ -208,6 +208,7 @@ pub fn report_json(r: &ridgefill::model::fill::FillReport) -> serde_json::Value 
         "split": r.split,
         "error": r.error,
         "coverage": r.coverage,
+        "filled_attention": r.filled_attention,
         "fell_back": r.fell_back,
     })
 }

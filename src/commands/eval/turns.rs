@@ -446,13 +446,26 @@ fn print_table(outcomes: &[Outcome], h: &Header) {
     );
     println!();
     println!(
-        "| length | method | accuracy | key NLL | last turn prefill ms | reused rows | restored rows | misses (depth) |"
+        "| length | method | accuracy | key NLL | last turn prefill ms | reused rows | restored rows | attention on filled rows | misses (depth) |"
     );
-    println!("|---:|---|---:|---:|---:|---:|---:|---|");
+    println!("|---:|---|---:|---:|---:|---:|---:|---|---|");
     for o in outcomes {
         let n = o.answers.len().max(1);
         let reused = o.answers.iter().map(|a| a.reused).sum::<usize>() / n;
         let restored = o.answers.iter().map(|a| a.restored).sum::<usize>() / n;
+        // The range over conversations: what a restore threshold must stay under.
+        let shares: Vec<f64> = o
+            .answers
+            .iter()
+            .filter_map(|a| a.report.and_then(|r| r.filled_attention))
+            .collect();
+        let share = match shares.iter().copied().reduce(f64::min) {
+            Some(lo) => {
+                let hi = shares.iter().copied().fold(lo, f64::max);
+                format!("{:.1}–{:.1}%", 100.0 * lo, 100.0 * hi)
+            }
+            None => "—".into(),
+        };
         let misses: Vec<String> = o
             .answers
             .iter()
@@ -460,7 +473,7 @@ fn print_table(outcomes: &[Outcome], h: &Header) {
             .map(|a| a.depth.to_string())
             .collect();
         println!(
-            "| {} | {} | {:.2} | {:.3} | {:.0} | {reused} | {restored} | {} |",
+            "| {} | {} | {:.2} | {:.3} | {:.0} | {reused} | {restored} | {share} | {} |",
             o.length,
             o.method,
             o.accuracy(),

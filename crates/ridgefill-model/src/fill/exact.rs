@@ -127,6 +127,9 @@ pub(crate) struct ExactRows<'a> {
     pub from: usize,
     /// Per position `0..from`, whether its upper-layer K/V are exact already.
     pub done: &'a [bool],
+    /// Upper layers the rows before `from` (restored spans) run when nothing new is filled;
+    /// above them only the new rows go on.
+    pub old_layers: usize,
 }
 
 /// Runs the rows at positions `rows.at` through the upper layers in one batch, over a cache
@@ -136,10 +139,11 @@ pub(crate) struct ExactRows<'a> {
 /// rows at or after `rows.sink` (their true K/V at that layer). Returns the last exact row's
 /// hidden state and the self-check: the maps' error on those rows (before any update),
 /// relative to their spread, averaged over the upper layers (`None` when no exact row is past
-/// the sink, or when every new row is exact and nothing new is filled).
+/// the sink, or when every new row is exact and nothing new is filled), and whether the rows
+/// before `from` ran every upper layer (false when `rows.old_layers` stopped them).
 ///
 /// # Shapes
-/// - h_split: `[n, hidden]` entering layer `split` → (`[1, hidden]`, error)
+/// - h_split: `[n, hidden]` entering layer `split` → (`[1, hidden]`, error, whole)
 pub(crate) fn exact_pass(
     model: &Decoder,
     maps: &FillMaps,
@@ -147,12 +151,13 @@ pub(crate) fn exact_pass(
     rows: ExactRows<'_>,
     cache: &mut KvCache,
     oracle: Option<&Oracle>,
-) -> Result<(Tensor<2>, Option<f64>)> {
+) -> Result<(Tensor<2>, Option<f64>, bool)> {
     let ExactRows {
-        at: exact,
+        at: mut exact,
         sink,
         from,
         done,
+        old_layers,
     } = rows;
     let n = h_split.dims()[0];
     let layers = model.num_layers();
@@ -179,9 +184,20 @@ pub(crate) fn exact_pass(
         (Some(a), Some(xe)) if a.weight > 0.0 => Some(adapt_gain(model, a, xe.clone())?),
         _ => None,
     };
+    // Restored rows stop early only when no update or self-check counts them in every layer.
+    let restored = exact.partition_point(|&p| p < from);
+    let stop = match fills_new || restored == 0 {
+        true => layers,
+        false => (maps.split + old_layers).min(layers),
+    };
     // Per upper layer: the maps' squared error on the checked rows, and their squared spread.
     let mut errors: Vec<Tensor<1>> = Vec::with_capacity(2 * (layers - maps.split));
     for l in maps.split..layers {
+        if l == stop {
+            // The restored rows' K/V are written up to here; the new rows go on alone.
+            h = h.clone().narrow(0, restored, exact.len() - restored);
+            exact = &exact[restored..];
+        }
         let i = l - maps.split;
         let qkv = model.qkv(l, h.clone(), Rows::Prompt);
         let mut w = maps.w.clone().narrow(1, i * kv2, kv2);
@@ -217,6 +233,8 @@ pub(crate) fn exact_pass(
                     cache.overwrite(l, r.start, k, v);
                 }
             }
+            // Every new row runs exactly (a short follow-up): the block writes their K/V.
+            None if !fills_new => cache.reserve(l, n - from),
             None => {
                 let y = model.linear_dense(x_rows(from..n), &w);
                 append_fill(model, y, l, 1, cache, from);
@@ -229,7 +247,11 @@ pub(crate) fn exact_pass(
         h = next;
     }
     let m = exact.len();
-    Ok((h.narrow(0, m - 1, 1), relative_error(errors)))
+    Ok((
+        h.narrow(0, m - 1, 1),
+        relative_error(errors),
+        stop == layers,
+    ))
 }
 
 /// The runs of positions in `range` that `done` does not mark exact.

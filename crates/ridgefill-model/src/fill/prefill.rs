@@ -82,6 +82,10 @@ pub struct FillReport {
     /// The share of the tail's attention to the filled bulk that the exact spans take (see
     /// `span_coverage`): how much of what the question reads is exact.
     pub coverage: Option<f64>,
+    /// The share of the tail's attention in the scoring layer that falls on rows still filled
+    /// before this prefill (`None` when not scored): how much the question reads predicted K/V;
+    /// a follow-up restores spans only above [`FillRows::resume_min_attention`].
+    pub filled_attention: Option<f64>,
     /// The self-check found the error above `max_error` and the bulk ran exactly after all.
     pub fell_back: bool,
     /// The split whose maps filled (a deeper one when a shallower self-check failed); `None`
@@ -397,6 +401,7 @@ impl<'a> Prefill<'a> {
                 )?;
                 self.report.error = upper.error;
                 self.report.coverage = upper.coverage;
+                self.report.filled_attention = upper.filled_attention;
                 self.report.fell_back = upper.split.is_none();
                 self.report.split = upper.split;
                 // Per position, whether its upper-layer K/V are now exact.
@@ -409,10 +414,12 @@ impl<'a> Prefill<'a> {
                     .flat_map(|s| s.clone())
                     .filter(|&i| i < self.from)
                     .count();
+                // Earlier rows that ran only some upper layers stay filled above them.
                 upper
                     .spans
                     .iter()
                     .flat_map(|s| s.clone())
+                    .filter(|&i| upper.restored_whole || i >= self.from)
                     .for_each(|i| exact[i] = true);
                 match upper.split {
                     None => exact[self.from..].iter_mut().for_each(|e| *e = true),

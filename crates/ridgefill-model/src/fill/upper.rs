@@ -47,6 +47,11 @@ pub(crate) struct Upper {
     /// The share of the tail's attention to the bulk's filled rows that exact rows now take
     /// ([`span_coverage`]) at the last split tried.
     pub coverage: Option<f64>,
+    /// [`filled_share`] of the tail's attention at the last split tried.
+    pub filled_attention: Option<f64>,
+    /// Whether the spans' rows before this prefill ran every upper layer (false: only
+    /// [`FillRows::resume_layers`] of them, so they stay filled above).
+    pub restored_whole: bool,
     /// The split whose maps filled; `None`: every row ran every layer.
     pub split: Option<usize>,
 }
@@ -82,12 +87,15 @@ pub(crate) fn fill_upper(
     // A later prefill spends the budget of its new rows wherever its question points, earlier
     // turns' filled rows included (`FillRows::resume_budget`).
     let new = n - from;
-    let (spans, coverage) = if rows.span_count(new) > 0 {
+    let (spans, coverage, filled_attention) = if rows.span_count(new) > 0 {
         let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
-        let budget = if from == 0 {
-            rows.exact_rows(n)
-        } else {
-            rows.resume_budget(new)
+        let share = filled_share(&scores, bulk.clone(), done);
+        // A follow-up question that reads the earlier turns' filled rows little restores none.
+        let glance = rows.resume_exact(new) && share.is_none_or(|s| s < rows.resume_min_attention);
+        let budget = match from {
+            0 => rows.exact_rows(n),
+            _ if glance => 0,
+            _ => rows.resume_budget(new),
         };
         let spans = choose_new_spans(
             &scores,
@@ -99,20 +107,22 @@ pub(crate) fn fill_upper(
             rows.sentence_reach,
         );
         let coverage = span_coverage(&scores, bulk.clone(), done, &spans);
-        (spans, coverage)
+        (spans, coverage, share)
     } else {
-        (Vec::new(), None)
+        (Vec::new(), None, None)
     };
     // The sink and earlier rows are in the cache already; a fresh prompt runs its sink here.
     let exact: Vec<usize> = (from.min(bulk.start)..bulk.start)
         .chain(spans.iter().cloned().flatten())
         .chain(bulk.end..n)
         .collect();
+    let upper = model.num_layers() - maps.split;
     let at = ExactRows {
         at: &exact,
         sink: bulk.start,
         from,
         done,
+        old_layers: rows.resume_layers.unwrap_or(upper),
     };
     // A fresh prompt whose question reads the filled text broadly goes to the deeper split
     // before its exact pass here costs anything.
@@ -121,13 +131,15 @@ pub(crate) fn fill_upper(
     let error = if broad {
         None
     } else {
-        let (h_last, error) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
+        let (h_last, error, whole) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
         if !error.is_some_and(|e| e > rows.max_error) {
             return Ok(Upper {
                 h_last,
                 spans,
                 error,
                 coverage,
+                filled_attention,
+                restored_whole: whole,
                 split: Some(maps.split),
             });
         }
@@ -146,6 +158,8 @@ pub(crate) fn fill_upper(
             spans: spans.into_iter().filter(|s| s.end <= from).collect(),
             error,
             coverage,
+            filled_attention,
+            restored_whole: true,
             split: None,
         });
     };
@@ -186,6 +200,18 @@ pub(crate) fn span_coverage(
         .map(|i| f64::from(scores[i]))
         .sum();
     (total > 0.0).then(|| covered / total)
+}
+
+/// Of the tail's attention (`scores`, every position's), the share on the bulk rows still
+/// filled before this prefill (`done` marks earlier exact rows): how much the question reads
+/// predicted K/V. `None` when nothing was scored.
+pub(crate) fn filled_share(scores: &[f32], bulk: Range<usize>, done: &[bool]) -> Option<f64> {
+    let all: f64 = scores.iter().map(|&s| f64::from(s)).sum();
+    let filled: f64 = bulk
+        .filter(|i| !done.get(*i).copied().unwrap_or(false))
+        .map(|i| f64::from(scores[i]))
+        .sum();
+    (all > 0.0).then(|| filled / all)
 }
 
 /// Every row of `h` (entering `layers.start`, positions `pos..`) through `layers` exactly,
@@ -287,7 +313,7 @@ fn finite_scores(s: Vec<f32>, l: usize) -> Result<Vec<f32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::span_coverage;
+    use super::{filled_share, span_coverage};
 
     // One span is a list of one range, not a range to collect.
     #[allow(clippy::single_range_in_vec_init)]
@@ -300,5 +326,15 @@ mod tests {
         assert_eq!(span_coverage(&scores, 1..9, &done, &[5..7]), Some(0.5));
         assert_eq!(span_coverage(&scores, 1..9, &[], &[]), Some(0.0));
         assert_eq!(span_coverage(&[0.0; 4], 1..3, &[], &[1..2]), None);
+    }
+
+    #[test]
+    fn filled_share_is_the_attention_on_rows_still_filled() {
+        // 40 in all; bulk 1..9 holds 22, of which rows 2 and 3 (10) are exact already.
+        let scores = [9.0, 1.0, 5.0, 5.0, 1.0, 2.0, 2.0, 1.0, 5.0, 9.0];
+        let done = [true, false, true, true];
+        assert_eq!(filled_share(&scores, 1..9, &done), Some(12.0 / 40.0));
+        assert_eq!(filled_share(&scores, 1..9, &[]), Some(22.0 / 40.0));
+        assert_eq!(filled_share(&[0.0; 4], 1..3, &[]), None);
     }
 }
