@@ -137,23 +137,25 @@ impl FillHistory {
         }
     }
 
-    /// The rows entering the split for positions `0..len`; positions with no stored row (exact
-    /// ones, never re-run) are zeros of `like`'s width and dtype.
+    /// The rows entering the split for positions `0..len`, followed by the chunks `next` (the
+    /// rows of positions `len..`), joined in one copy; positions with no stored row (exact ones,
+    /// never re-run) are zeros of `next`'s width and dtype.
     ///
     /// # Shapes
-    /// - → `[len, hidden]`
-    pub(crate) fn h_split(&self, len: usize, like: &Tensor<2>) -> Tensor<2> {
+    /// - next: `[m_i, hidden]` each → `[len + Σ m_i, hidden]`
+    pub(crate) fn h_split_then(&self, len: usize, next: Vec<Tensor<2>>) -> Tensor<2> {
         let stored = self.h_split.as_ref().map_or(0, |h| h.dims()[0].min(len));
-        let mut parts = Vec::with_capacity(2);
+        let mut parts = Vec::with_capacity(2 + next.len());
         if let Some(h) = &self.h_split
             && stored > 0
         {
             parts.push(h.clone().narrow(0, 0, stored));
         }
         if len > stored {
-            let zero = like.clone().narrow(0, 0, 1).zeros_like();
+            let zero = next[0].clone().narrow(0, 0, 1).zeros_like();
             parts.push(zero.repeat_dim(0, len - stored));
         }
+        parts.extend(next);
         Tensor::cat(parts, 0)
     }
 

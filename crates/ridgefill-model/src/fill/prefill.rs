@@ -372,15 +372,16 @@ impl<'a> Prefill<'a> {
                 "prefill step after the prompt was done".into(),
             ));
         };
-        let mut h_split = Tensor::cat(std::mem::take(&mut self.h_split), 0);
         let before = self.before.take();
         let done = before
             .as_ref()
             .map_or_else(Vec::new, |b| b.exact_mask(self.from));
-        if let Some(b) = &before {
-            let old = b.h_split(self.from, &h_split);
-            h_split = Tensor::cat(vec![old, h_split], 0);
-        }
+        // Earlier rows' stored inputs and the new rows' chunks, joined in one copy.
+        let new_rows = std::mem::take(&mut self.h_split);
+        let h_split = match &before {
+            Some(b) => b.h_split_then(self.from, new_rows),
+            None => Tensor::cat(new_rows, 0),
+        };
         let h_last = match self.opts.maps {
             Some(maps) => {
                 let tail_in = Tensor::cat(std::mem::take(&mut self.tail_in), 0);
