@@ -10,7 +10,8 @@
 //! prefill of its new tokens over the cache ([`Prefill::resume`]): the new question's spans may
 //! lie in rows an earlier turn filled, which then run the upper layers exactly from their stored
 //! split input ([`FillHistory`]), so a fact pasted in turn 1 and asked for in turn 5 is read
-//! exactly. While the user reads the reply and types the next message, the turn's filled rows
+//! exactly — when the question gives those rows at least `--resume-min-attention` of its
+//! attention (a broad question restores nothing). While the user reads the reply and types the next message, the turn's filled rows
 //! settle ([`settle`]: run exactly from that stored input, a few at a time between checks for
 //! input), so a later turn mostly finds an exact cache and re-runs no spans at all.
 
