@@ -374,6 +374,18 @@ fn rows() -> Vec<Row> {
             &["expected a share between 0 and 1, found \"2\""],
         ),
         row(
+            "--resume-min-attention outside 0..1",
+            &["generate", "-p", "x", "--resume-min-attention", "1.5"],
+            USAGE,
+            &["expected a share between 0 and 1, found \"1.5\""],
+        ),
+        row(
+            "--resume-layers 0 (a restore that runs no layer)",
+            &["chat", "--resume-layers", "0"],
+            USAGE,
+            &["expected a positive number of layers, found \"0\""],
+        ),
+        row(
             "unknown --truncate side",
             &["generate", "-p", "x", "--truncate", "middle"],
             USAGE,

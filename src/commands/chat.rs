@@ -11,9 +11,10 @@
 //! lie in rows an earlier turn filled, which then run the upper layers exactly from their stored
 //! split input ([`FillHistory`]), so a fact pasted in turn 1 and asked for in turn 5 is read
 //! exactly — when the question gives those rows at least `--resume-min-attention` of its
-//! attention (a broad question restores nothing). While the user reads the reply and types the next message, the turn's filled rows
-//! settle ([`settle`]: run exactly from that stored input, a few at a time between checks for
-//! input), so a later turn mostly finds an exact cache and re-runs no spans at all.
+//! attention (a broad question restores nothing). While the user reads the reply and types the
+//! next message, the turn's filled rows settle ([`settle`]: run exactly from that stored input,
+//! a few at a time between checks for input), so a later turn mostly finds an exact cache and
+//! re-runs no spans at all.
 
 use ridgefill::model::fill::{FillHistory, FillOptions, Prefill, settle};
 use std::io::{BufRead, IsTerminal, Write};

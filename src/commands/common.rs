@@ -169,7 +169,7 @@ pub struct RowArgs {
     pub resume_min_attention: f64,
     /// Upper layers, from the split, that a follow-up's restored rows run exactly (their K/V
     /// above stay predicted until settling); default: every upper layer.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_layers)]
     pub resume_layers: Option<usize>,
 }
 
@@ -214,6 +214,14 @@ pub fn parse_share(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
         _ => Err(format!("expected a share between 0 and 1, found {s:?}")),
+    }
+}
+
+/// A count of layers: at least one.
+fn parse_layers(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("expected a positive number of layers, found {s:?}")),
     }
 }
 

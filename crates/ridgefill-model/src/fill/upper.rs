@@ -187,19 +187,21 @@ pub(crate) fn span_coverage(
     done: &[bool],
     spans: &[Range<usize>],
 ) -> Option<f64> {
-    let still_filled = |i: &usize| !done.get(*i).copied().unwrap_or(false);
-    let total: f64 = bulk
-        .filter(still_filled)
-        .map(|i| f64::from(scores[i]))
-        .sum();
+    let total = filled_sum(scores, bulk, done);
     // Spans lie in the bulk, sorted and disjoint: their rows are summed once each.
-    let covered: f64 = spans
+    let covered = spans
         .iter()
-        .flat_map(|s| s.clone())
-        .filter(still_filled)
-        .map(|i| f64::from(scores[i]))
-        .sum();
+        .map(|s| filled_sum(scores, s.clone(), done))
+        .sum::<f64>();
     (total > 0.0).then(|| covered / total)
+}
+
+/// The tail's attention (`scores`) on the rows of `range` that `done` does not mark exact.
+fn filled_sum(scores: &[f32], range: Range<usize>, done: &[bool]) -> f64 {
+    range
+        .filter(|&i| !done.get(i).copied().unwrap_or(false))
+        .map(|i| f64::from(scores[i]))
+        .sum()
 }
 
 /// Of the tail's attention (`scores`, every position's), the share on the bulk rows still
@@ -207,11 +209,7 @@ pub(crate) fn span_coverage(
 /// predicted K/V. `None` when nothing was scored.
 pub(crate) fn filled_share(scores: &[f32], bulk: Range<usize>, done: &[bool]) -> Option<f64> {
     let all: f64 = scores.iter().map(|&s| f64::from(s)).sum();
-    let filled: f64 = bulk
-        .filter(|i| !done.get(*i).copied().unwrap_or(false))
-        .map(|i| f64::from(scores[i]))
-        .sum();
-    (all > 0.0).then(|| filled / all)
+    (all > 0.0).then(|| filled_sum(scores, bulk, done) / all)
 }
 
 /// Every row of `h` (entering `layers.start`, positions `pos..`) through `layers` exactly,
