@@ -10,7 +10,8 @@ use ridgefill_io::fill::{
 };
 use ridgefill_model::Decoder;
 use ridgefill_model::fill::{
-    DEFAULT_ADAPT_WEIGHT, DEFAULT_EXACT, DEFAULT_SPAN_RADIUS, FillMaps, FillMethod, FillRows,
+    DEFAULT_ADAPT_WEIGHT, DEFAULT_ERROR_RATIO, DEFAULT_EXACT, DEFAULT_SPAN_ERROR_RATIO,
+    DEFAULT_SPAN_RADIUS, FillMaps, FillMethod, FillRows,
 };
 
 /// Reads `path`, checks it was made for this model and holds only finite numbers, and uploads
@@ -160,6 +161,7 @@ pub fn configure(
         0 => DEFAULT_SPAN_RADIUS,
         r => r,
     });
+    let own_method = choice.method.is_none_or(|m| m.name() == recorded.name);
     let rows = FillRows {
         sink: choice.sink,
         tail: choice.tail,
@@ -170,10 +172,15 @@ pub fn configure(
         max_error: match choice.max_error {
             Some(e) => e,
             // The self-check guards the method the file was fitted for, not a variant of it.
-            None if choice.method.is_none_or(|m| m.name() == recorded.name) => {
-                default_max_error(&file.meta)
-            }
+            None if own_method => default_max_error(&file.meta, DEFAULT_ERROR_RATIO),
             None => f64::INFINITY,
+        },
+        max_span_error: match (choice.max_span_error, choice.max_error) {
+            (Some(e), _) => e,
+            // `--max-fill-error off` turns the whole self-check off.
+            (None, Some(e)) if e.is_infinite() => f64::INFINITY,
+            (None, _) if own_method => default_max_error(&file.meta, DEFAULT_SPAN_ERROR_RATIO),
+            (None, _) => f64::INFINITY,
         },
         min_coverage: choice.min_coverage,
         resume_spans: choice.resume_spans,
@@ -187,14 +194,11 @@ pub fn configure(
     Ok((method, maps, rows))
 }
 
-/// The self-check threshold a fill file runs with unless told otherwise:
-/// [`DEFAULT_ERROR_RATIO`] times its maps' held-out error (none for a file without one).
-///
-/// [`DEFAULT_ERROR_RATIO`]: ridgefill_model::fill::DEFAULT_ERROR_RATIO
-pub fn default_max_error(meta: &ridgefill_io::fill::FillMeta) -> f64 {
-    meta.heldout_error().map_or(f64::INFINITY, |e| {
-        ridgefill_model::fill::DEFAULT_ERROR_RATIO * e
-    })
+/// A self-check threshold a fill file runs with unless told otherwise: `ratio` times its maps'
+/// held-out error ([`DEFAULT_ERROR_RATIO`] over every exact row, [`DEFAULT_SPAN_ERROR_RATIO`]
+/// over the spans; none for a file without one).
+pub fn default_max_error(meta: &ridgefill_io::fill::FillMeta, ratio: f64) -> f64 {
+    meta.heldout_error().map_or(f64::INFINITY, |e| ratio * e)
 }
 
 /// Run-time choices of how to apply a fill file (`None`: what the file records).
@@ -213,6 +217,9 @@ pub struct MethodChoice {
     /// Self-check threshold on the maps' relative error (`None`: the file's default for its
     /// own method, [`default_max_error`]; infinite: never fall back).
     pub max_error: Option<f64>,
+    /// Threshold of the self-check's reading over the spans alone (`None`: the file's default,
+    /// or off with `max_error` infinite).
+    pub max_span_error: Option<f64>,
     /// Coverage check: the least share of the question's attention to filled rows the spans
     /// must take (0: never checked).
     pub min_coverage: f64,

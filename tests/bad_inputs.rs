@@ -380,6 +380,12 @@ fn rows() -> Vec<Row> {
             &["expected a share between 0 and 1, found \"1.5\""],
         ),
         row(
+            "--max-span-error not a positive number or off",
+            &["generate", "-p", "x", "--max-span-error", "0"],
+            USAGE,
+            &["expected a positive number or off, found \"0\""],
+        ),
+        row(
             "--resume-layers 0 (a restore that runs no layer)",
             &["chat", "--resume-layers", "0"],
             USAGE,

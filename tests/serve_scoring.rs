@@ -290,8 +290,9 @@ fn metric(text: &str, name: &str) -> f64 {
 
 /// Per-request fill reports: on a fill server `usage.fill_report` says how many rows were filled,
 /// the exact tail, the split and the self-check's error, in whole and streamed responses of both
-/// endpoints, and `/metrics` adds up the filled rows. With `--max-fill-error` below any error the
-/// self-check falls back: nothing is filled, and the greedy answer is full prefill's exactly.
+/// endpoints, and `/metrics` adds up the filled rows. With `--max-fill-error` (or
+/// `--max-span-error`) below any error the self-check falls back: nothing is filled, and the
+/// greedy answer is full prefill's exactly.
 #[test]
 fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
     let dir = tempfile::tempdir().unwrap();
@@ -333,6 +334,10 @@ fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
         .as_f64()
         .unwrap_or_else(|| panic!("{r}"));
     assert!(error > 0.0 && error.is_finite(), "{r}");
+    let span_error = rep["self_check_span_error"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(span_error > 0.0 && span_error.is_finite(), "{r}");
     let coverage = rep["span_coverage"]
         .as_f64()
         .unwrap_or_else(|| panic!("{r}"));
@@ -422,6 +427,28 @@ fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
     assert_eq!(metric(&m, "ridgefill_fill_fallbacks_total"), 2.0);
     assert_eq!(metric(&m, "ridgefill_filled_rows_total"), 0.0);
     assert_eq!(metric(&m, "ridgefill_filled_requests_total"), 0.0);
+    drop(strict);
+
+    // The second reading alone, over the spans, falls back the same way: its error is the fill
+    // server's, the first reading within its default limit.
+    let spans_strict = start(&[
+        "--ctx",
+        "1024",
+        "--fill",
+        fill_s,
+        "--max-span-error",
+        "1e-9",
+    ]);
+    let (status, r) = post(spans_strict.port, "/v1/completions", &body);
+    assert_eq!(status, 200, "{r}");
+    let rep = &r["usage"]["fill_report"];
+    assert_eq!(rep["fell_back"], true, "{r}");
+    let strict_span = rep["self_check_span_error"].as_f64().unwrap();
+    assert!(
+        (strict_span - span_error).abs() <= 1e-4 * span_error,
+        "{strict_span} vs {span_error}"
+    );
+    assert_eq!(answer(&r), answer(&full), "spans' fallback vs full prefill");
 }
 
 /// `ridgefill info --export-tokenizer`: the tokenizer.json it writes, read back with the

@@ -146,9 +146,15 @@ pub struct RowArgs {
     pub sentence_reach: usize,
     /// Self-check: when the fill maps' relative error on the prompt's exact rows exceeds this,
     /// the prompt runs every layer exactly after all (full prefill's answer, at full cost);
-    /// `off` never falls back. Default: 2.35 × the maps' held-out error (0.66 at split 15).
+    /// `off` never falls back (either reading). Default: 2.35 × the maps' held-out error (0.656
+    /// at split 15).
     #[arg(long, value_parser = parse_max_error)]
     pub max_fill_error: Option<f64>,
+    /// The self-check's second reading: the same error over the exact spans alone (a haystack
+    /// the maps miss, around a question they fit); above this the prompt runs exactly too.
+    /// `off`: only the first reading. Default: 2.5 × the maps' held-out error (0.698 at split 15).
+    #[arg(long, value_parser = parse_max_error)]
+    pub max_span_error: Option<f64>,
     /// Fill files at deeper splits of the same model, comma-separated, tried in turn when the
     /// self-check fails: the prompt runs exactly up to their split instead of every layer.
     #[arg(long, value_delimiter = ',')]
@@ -195,6 +201,7 @@ impl RowArgs {
             question: self.question_tail,
             sentence_reach: self.sentence_reach,
             max_error: self.max_fill_error,
+            max_span_error: self.max_span_error,
             min_coverage: self
                 .min_coverage
                 .unwrap_or(ridgefill::model::fill::DEFAULT_MIN_COVERAGE),

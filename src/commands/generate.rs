@@ -1,4 +1,4 @@
-use ridgefill::model::fill::{FillOptions, Prefill};
+use ridgefill::model::fill::{FillOptions, FillRows, Prefill};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -212,7 +212,7 @@ pub fn run(a: Args) -> Result<()> {
             "fill s={} {method} exact {} | {}",
             m.split,
             rows.exact,
-            describe_fill(&r, rows.max_error)
+            describe_fill(&r, rows)
         ),
         _ => "full".to_string(),
     };
@@ -233,17 +233,21 @@ pub fn run(a: Args) -> Result<()> {
 }
 
 /// Whether and how much a prefill filled, and its self-check, in one phrase.
-fn describe_fill(r: &ridgefill::model::fill::FillReport, max_error: f64) -> String {
+fn describe_fill(r: &ridgefill::model::fill::FillReport, rows: &FillRows) -> String {
+    let spans = r
+        .error_spans
+        .map_or_else(String::new, |e| format!(", on the spans {e:.3}"));
     let error = r.error.map_or_else(
         || "no self-check".to_string(),
-        |e| format!("fill error {e:.3}"),
+        |e| format!("fill error {e:.3}{spans}"),
     );
     let coverage = r
         .coverage
         .map_or_else(String::new, |c| format!(", span coverage {c:.2}"));
     if r.fell_back {
+        let (max, max_spans) = (rows.max_error, rows.max_span_error);
         format!(
-            "{error} over the self-check's {max_error:.3} (--max-fill-error){coverage}: ran exactly"
+            "{error} over the self-check's {max:.3} (--max-fill-error) or {max_spans:.3} on the spans (--max-span-error){coverage}: ran exactly"
         )
     } else {
         format!(

@@ -195,6 +195,7 @@ fn load_modes<'a>(
         question: 0,
         sentence_reach: ridgefill::model::fill::DEFAULT_SENTENCE_REACH,
         max_error: Some(f64::INFINITY),
+        max_span_error: Some(f64::INFINITY),
         min_coverage: 0.0,
         resume_spans: a.resume_spans,
         // Random tokens ask nothing: a `ppN @ dD` fill row measures what a restore costs.

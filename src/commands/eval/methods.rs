@@ -175,6 +175,7 @@ pub fn load_runners(
     let (mut runners, summary) = prepare(model, &file, &maps, rows, list)?;
     let plain = MethodChoice {
         max_error: Some(f64::INFINITY),
+        max_span_error: Some(f64::INFINITY),
         min_coverage: 0.0,
         deeper: Vec::new(),
         ..rows.choice()
@@ -207,6 +208,7 @@ pub fn report_json(r: &ridgefill::model::fill::FillReport) -> serde_json::Value 
         "tail": r.tail,
         "split": r.split,
         "error": r.error,
+        "error_spans": r.error_spans,
         "coverage": r.coverage,
         "filled_attention": r.filled_attention,
         "fell_back": r.fell_back,

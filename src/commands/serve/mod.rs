@@ -93,7 +93,10 @@ pub fn run(a: Args) -> Result<()> {
                 check += &format!(", min span coverage {}", rows.min_coverage);
             }
             if rows.max_error.is_finite() {
-                check += &format!(", max fill error {}", rows.max_error);
+                check += &format!(", max fill error {:.3}", rows.max_error);
+            }
+            if rows.max_span_error.is_finite() {
+                check += &format!(", max span error {:.3}", rows.max_span_error);
             }
             if !check.is_empty() {
                 let mut d = maps.deeper.as_deref();

@@ -79,6 +79,9 @@ pub struct FillReport {
     pub filled: usize,
     /// The maps' relative error on this prompt's exact rows, averaged over the upper layers.
     pub error: Option<f64>,
+    /// The same over the exact spans alone (`None` when they are fewer than
+    /// [`super::SELF_CHECK_MIN_ROWS`] rows).
+    pub error_spans: Option<f64>,
     /// The share of the tail's attention to the filled bulk that the exact spans take (see
     /// `span_coverage`): how much of what the question reads is exact.
     pub coverage: Option<f64>,
@@ -400,7 +403,8 @@ impl<'a> Prefill<'a> {
                     cache,
                     self.opts.oracle,
                 )?;
-                self.report.error = upper.error;
+                self.report.error = upper.check.all;
+                self.report.error_spans = upper.check.spans;
                 self.report.coverage = upper.coverage;
                 self.report.filled_attention = upper.filled_attention;
                 self.report.fell_back = upper.split.is_none();

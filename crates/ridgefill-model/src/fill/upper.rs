@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation};
 
-use super::exact::{ExactRows, exact_pass};
+use super::exact::{ExactRows, SelfCheck, exact_pass};
 use super::{FillMaps, FillRows, Oracle, choose_new_spans};
 use crate::cache::KvCache;
 use crate::decoder::{Decoder, PREFILL_CHUNK};
@@ -43,7 +43,7 @@ pub(crate) struct Upper {
     pub h_last: Tensor<2>,
     pub spans: Vec<Range<usize>>,
     /// The self-check of the last split tried.
-    pub error: Option<f64>,
+    pub check: SelfCheck,
     /// The share of the tail's attention to the bulk's filled rows that exact rows now take
     /// ([`span_coverage`]) at the last split tried.
     pub coverage: Option<f64>,
@@ -59,10 +59,11 @@ pub(crate) struct Upper {
 /// Everything of a fill prefill after the layers below the split: the spans the tail rows'
 /// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
 /// layers' exact pass and fill. When the exact rows show the maps' error above
-/// `rows.max_error`, the bulk runs exactly up to `maps.deeper`'s split and that fill is tried
-/// the same way; with no deeper maps left, the upper layers run with every row exact. A fresh
-/// prompt whose spans take less than `rows.min_coverage` of the tail's attention to the filled
-/// bulk goes to the deeper split, when there is one, before its exact pass here.
+/// `rows.max_error` (or the spans alone above `rows.max_span_error`), the bulk runs exactly up
+/// to `maps.deeper`'s split and that fill is tried the same way; with no deeper maps left, the
+/// upper layers run with every row exact. A fresh prompt whose spans take less than
+/// `rows.min_coverage` of the tail's attention to the filled bulk goes to the deeper split,
+/// when there is one, before its exact pass here.
 ///
 /// # Shapes
 /// - tail_in: `[n - bulk.end, hidden]`, h_split: `[n, hidden]` → h_last `[1, hidden]`
@@ -122,28 +123,31 @@ pub(crate) fn fill_upper(
         sink: bulk.start,
         from,
         done,
+        bulk_end: bulk.end,
         old_layers: rows.resume_layers.unwrap_or(upper),
     };
     // A fresh prompt whose question reads the filled text broadly goes to the deeper split
     // before its exact pass here costs anything.
     let broad =
         from == 0 && maps.deeper.is_some() && coverage.is_some_and(|c| c < rows.min_coverage);
-    let error = if broad {
-        None
+    let check = if broad {
+        SelfCheck::default()
     } else {
-        let (h_last, error, whole) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
-        if !error.is_some_and(|e| e > rows.max_error) {
+        let (h_last, check, whole) = exact_pass(model, maps, h_split.clone(), at, cache, oracle)?;
+        let fails = check.all.is_some_and(|e| e > rows.max_error)
+            || check.spans.is_some_and(|e| e > rows.max_span_error);
+        if !fails {
             return Ok(Upper {
                 h_last,
                 spans,
-                error,
+                check,
                 coverage,
                 filled_attention,
                 restored_whole: whole,
                 split: Some(maps.split),
             });
         }
-        error
+        check
     };
     // The exact rows' pass (if any) is all this prompt wasted; the layers below the split
     // stand, and so do the earlier rows (those its spans ran exactly are the better for it).
@@ -156,7 +160,7 @@ pub(crate) fn fill_upper(
         return Ok(Upper {
             h_last: h.narrow(0, n - from - 1, 1),
             spans: spans.into_iter().filter(|s| s.end <= from).collect(),
-            error,
+            check,
             coverage,
             filled_attention,
             restored_whole: true,

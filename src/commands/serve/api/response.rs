@@ -42,7 +42,7 @@ pub fn usage(fs: &[Finish]) -> Value {
 }
 
 /// The fill reports of a request's choices as one object: rows summed, the deepest split that
-/// filled, the largest self-check error, the smallest span coverage, whether any prompt fell
+/// filled, the largest self-check errors (every exact row, spans alone), the smallest span coverage, whether any prompt fell
 /// back to exact layers, and the rows earlier requests had filled that this one's spans ran
 /// exactly (prefix reuse) with the largest share of attention those filled rows drew.
 fn fill_report<'a>(reports: impl Iterator<Item = &'a FillReport>) -> Value {
@@ -55,6 +55,7 @@ fn fill_report<'a>(reports: impl Iterator<Item = &'a FillReport>) -> Value {
         "exact_tail": rs.iter().map(|r| r.tail).sum::<usize>(),
         "split": rs.iter().filter_map(|r| r.split).max(),
         "self_check_error": rs.iter().filter_map(|r| r.error).reduce(f64::max),
+        "self_check_span_error": rs.iter().filter_map(|r| r.error_spans).reduce(f64::max),
         "span_coverage": rs.iter().filter_map(|r| r.coverage).reduce(f64::min),
         "fell_back": rs.iter().any(|r| r.fell_back),
         "restored_rows": rs.iter().map(|r| r.restored).sum::<usize>(),
