@@ -267,6 +267,15 @@ pub fn prefill_flops_at(c: &ModelConfig, depth: usize, n: usize, restored: (usiz
         + head
 }
 
+/// Full prefill's FLOPs in layers `from..` as a share of its whole: what a prefill whose
+/// self-check failed at split `from` runs again, every row exactly, after its planned pass.
+pub fn upper_share(c: &ModelConfig, n: usize, from: usize) -> f64 {
+    let upper: f64 = (from..c.num_hidden_layers)
+        .map(|l| (0..n).map(|i| row_flops(c, l, i + 1)).sum::<f64>())
+        .sum();
+    upper / prefill_flops(c, n, None)
+}
+
 /// FLOPs of one decode step with `ctx` positions already cached.
 pub fn decode_flops(c: &ModelConfig, ctx: usize) -> f64 {
     let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
@@ -274,4 +283,23 @@ pub fn decode_flops(c: &ModelConfig, ctx: usize) -> f64 {
         .map(|l| row_flops(c, l, ctx + 1))
         .sum::<f64>()
         + head
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upper_share_is_full_prefill_above_the_split() {
+        let c = crate::synthetic::shape("smollm2-135m").unwrap();
+        let (n, layers) = (512, c.num_hidden_layers);
+        let total = prefill_flops(&c, n, None);
+        let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
+        // Every layer again is all of it but the head; no layer, nothing.
+        assert!((upper_share(&c, n, 0) - (1.0 - head / total)).abs() < 1e-12);
+        assert_eq!(upper_share(&c, n, layers), 0.0);
+        // SmolLM2's layers are alike: the top half is half the layers' work.
+        let half = upper_share(&c, n, layers / 2);
+        assert!((half - upper_share(&c, n, 0) / 2.0).abs() < 1e-12, "{half}");
+    }
 }

@@ -400,7 +400,9 @@ pub fn run(a: Options) -> Result<()> {
         let mut per_method = serde_json::Map::new();
         for (i, ans) in answers.iter().enumerate() {
             let agree = Agreement::of(&ans.text, reference);
-            let ratio = runners.get(i).map_or(1.0, |r| r.flops_ratio(cfg, n));
+            let ratio = runners
+                .get(i)
+                .map_or(1.0, |r| r.flops_ratio_run(cfg, n, &ans.report));
             tallies[i].add(
                 &q.doc.kind,
                 agree,

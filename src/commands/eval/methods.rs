@@ -7,7 +7,7 @@ use ridgefill::io::config::ModelConfig;
 use ridgefill::io::fill::FillFile;
 use ridgefill::model::Decoder;
 use ridgefill::model::eval::{Method, Skip, prefill_flops};
-use ridgefill::model::fill::{FillMaps, FillMethod, FillRows};
+use ridgefill::model::fill::{FillMaps, FillMethod, FillReport, FillRows};
 
 use crate::commands::common::RowArgs;
 
@@ -73,6 +73,16 @@ impl Runner {
     /// Prefill FLOPs of an `n`-token prompt against full prefill's.
     pub fn flops_ratio(&self, cfg: &ModelConfig, n: usize) -> f64 {
         self.flops_ratio_with(cfg, n, false)
+    }
+
+    /// [`Runner::flops_ratio`] of what a prefill ran: one whose self-check failed ran the upper
+    /// layers again, every row exactly, after its planned pass.
+    pub fn flops_ratio_run(&self, cfg: &ModelConfig, n: usize, report: &FillReport) -> f64 {
+        let planned = self.flops_ratio(cfg, n);
+        match report.fell_back {
+            true => planned + ridgefill::model::eval::upper_share(cfg, n, self.split),
+            false => planned,
+        }
     }
 
     /// [`Runner::flops_ratio`], with sliding-window layers' unread rows filled too when

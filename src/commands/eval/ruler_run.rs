@@ -67,6 +67,8 @@ struct Answer {
     /// `string_match_all` of this sample, 0 to 1.
     score: f64,
     prefill_secs: f64,
+    /// Prefill FLOPs against full's, the self-check's fallback included.
+    flops: f64,
     /// Token for token the same answer as full prefill's.
     same_as_full: bool,
     /// Bulk spans that ran exactly (methods that choose them).
@@ -79,8 +81,6 @@ struct Row<'s> {
     task: RulerTask,
     length: usize,
     method: &'static str,
-    /// Prefill FLOPs against full's, averaged over the samples.
-    flops: f64,
     samples: &'s [Sample],
     answers: Vec<Answer>,
 }
@@ -89,6 +89,11 @@ impl Row<'_> {
     /// RULER's task score: mean `string_match_all`, in percent.
     fn score(&self) -> f64 {
         mean(self.answers.iter().map(|a| a.score)) * PERCENT
+    }
+
+    /// Prefill FLOPs against full's, averaged over the samples.
+    fn flops(&self) -> f64 {
+        mean(self.answers.iter().map(|a| a.flops))
     }
 
     fn secs(&self) -> f64 {
@@ -180,10 +185,6 @@ pub fn run(
                 task: *task,
                 length: *length,
                 method: r.name(),
-                flops: mean(
-                    set.iter()
-                        .map(|s| r.flops_ratio(&model.config, s.prompt.len())),
-                ),
                 samples: set,
                 answers: Vec::with_capacity(set.len()),
             });
@@ -212,6 +213,7 @@ pub fn run(
                     score: string_match_all(&text, &s.references),
                     text,
                     prefill_secs: g.prefill_secs,
+                    flops: runners[i].flops_ratio_run(&model.config, s.prompt.len(), &g.report),
                     same_as_full: g.tokens == gens[0].tokens,
                     spans: g.spans.clone(),
                     report: g.report,
@@ -266,7 +268,7 @@ fn pool(rows: &[Row], lengths: &[usize], methods: usize) -> Vec<Pooled> {
                 method: name,
                 score,
                 relative: (full_score > 0.0).then(|| score / full_score),
-                flops: mean(of.iter().map(|r| r.flops)),
+                flops: mean(of.iter().map(|r| r.flops())),
                 secs,
                 speedup: full_secs / secs,
             });
@@ -330,7 +332,7 @@ fn print_json(
                 "samples": r.answers.len(),
                 "prompt_tokens": r.tokens(),
                 "max_new": r.task.max_new(),
-                "flops_ratio": r.flops,
+                "flops_ratio": r.flops(),
                 "prefill_secs": r.secs(),
                 "speedup": full.map(|f| f.secs() / r.secs()),
                 "answers": answers,
@@ -399,7 +401,7 @@ fn print_table(rows: &[Row], pooled: &[Pooled], spec: &RulerSpec, h: &Header) {
             r.score(),
             r.same(),
             r.answers.len(),
-            r.flops,
+            r.flops(),
             r.secs(),
         );
     }
