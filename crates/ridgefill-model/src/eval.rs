@@ -201,7 +201,7 @@ pub fn filled_rows(c: &ModelConfig, l: usize, n: usize, rows: FillRows) -> usize
 pub fn prefill_flops(c: &ModelConfig, n: usize, skip: Option<Skip>) -> f64 {
     let layers = c.num_hidden_layers;
     let head = 2.0 * c.hidden_size as f64 * c.vocab_size as f64;
-    let full_layer = |l: usize| -> f64 { (0..n).map(|i| row_flops(c, l, i + 1)).sum::<f64>() };
+    let full_layer = |l: usize| causal_layer_flops(c, l, n);
     let bulk = skip.and_then(|s| s.rows.bulk(n).map(|b| (s, b)));
     let Some((skip, bulk)) = bulk else {
         return (0..layers).map(full_layer).sum::<f64>() + head;
@@ -271,9 +271,14 @@ pub fn prefill_flops_at(c: &ModelConfig, depth: usize, n: usize, restored: (usiz
 /// self-check failed at split `from` runs again, every row exactly, after its planned pass.
 pub fn upper_share(c: &ModelConfig, n: usize, from: usize) -> f64 {
     let upper: f64 = (from..c.num_hidden_layers)
-        .map(|l| (0..n).map(|i| row_flops(c, l, i + 1)).sum::<f64>())
+        .map(|l| causal_layer_flops(c, l, n))
         .sum();
     upper / prefill_flops(c, n, None)
+}
+
+/// FLOPs of layer `l` over `n` prompt rows, row `i` attending to the first `i + 1`.
+fn causal_layer_flops(c: &ModelConfig, l: usize, n: usize) -> f64 {
+    (0..n).map(|i| row_flops(c, l, i + 1)).sum()
 }
 
 /// FLOPs of one decode step with `ctx` positions already cached.
