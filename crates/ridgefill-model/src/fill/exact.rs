@@ -396,16 +396,22 @@ fn spd_inverse(a: &[f64], k: usize) -> Result<Vec<f64>> {
         let d = 1.0 / l[i * k + i];
         row.iter_mut().for_each(|x| *x *= d);
     }
-    // A⁻¹ = Yᵀ·Y: row i of Y adds Y[i,a]·Y[i,..=i] to row a, for every a ≤ i; a block of Y's
-    // rows at a time, so each row of the inverse is read once a block, not once a row.
+    // A⁻¹ = Yᵀ·Y, its upper triangle: row i of Y adds Y[i,a]·Y[i,a..=i] to row a, for every
+    // a ≤ i; a block of Y's rows at a time, so each row of the inverse is read once a block.
     let mut inv = vec![0.0f64; k * k];
     for i0 in (0..k).step_by(INVERSE_BLOCK) {
         let i1 = (i0 + INVERSE_BLOCK).min(k);
         for a in 0..i1 {
             let row = &mut inv[a * k..(a + 1) * k];
             for i in i0.max(a)..i1 {
-                axpy(&mut row[..=i], y[i * k + a], &y[i * k..=i * k + i]);
+                axpy(&mut row[a..=i], y[i * k + a], &y[i * k + a..=i * k + i]);
             }
+        }
+    }
+    // The lower triangle mirrors it.
+    for a in 0..k {
+        for b in 0..a {
+            inv[a * k + b] = inv[b * k + a];
         }
     }
     Ok(inv)
