@@ -1,5 +1,6 @@
 //! Causal grouped-query attention on flex tensors: prefill rows as GEMMs over each GQA group's
-//! stacked query heads, decode rows as dot products (or the x86 group kernel), every sequence's
+//! stacked query heads, a few prefill rows over a long cache (a follow-up turn) through the x86
+//! few-rows kernel, decode rows as dot products (or the x86 group kernel), every sequence's
 //! tasks in one parallel dispatch; masked entries are never scored.
 
 mod received;
@@ -30,6 +31,10 @@ pub(crate) const QUERY_BLOCK: usize = 64;
 /// Query rows up to which attention runs as plain dot products (decode steps): packing the keys
 /// for a GEMM costs more than the product itself.
 pub(crate) const DOT_ROWS_MAX: usize = 4;
+
+/// Stacked query rows (GQA group × new rows) up to which prefill rows go to the few-rows kernel
+/// (x86 with AVX-512) rather than the GEMMs: a follow-up turn's question over a long cache.
+const FEW_ROWS_MAX: usize = 128;
 
 /// A task's cost beyond its query rows, in rows: its setup and the K/V packing every task
 /// repeats (fitted on 2 AVX2 threads, 8–100 rows over 800–3000 keys).
@@ -141,8 +146,9 @@ pub struct AttnItem {
 /// Causal grouped-query attention of one or more sequences, heads merged on output. Each task
 /// takes one sequence's GQA group (the query heads sharing a K/V head) and block of query rows
 /// and multiplies only the keys its rows see: prefill rows as two GEMMs with the group's heads
-/// stacked, so each K/V head is packed once per block rather than once per query head; decode
-/// rows through the group kernel. The tasks of all sequences share one parallel dispatch, where
+/// stacked, so each K/V head is packed once per block rather than once per query head; up to
+/// [`FEW_ROWS_MAX`] stacked rows through the few-rows kernel, a head's keys split among tasks;
+/// decode rows through the group kernel. The tasks of all sequences share one parallel dispatch, where
 /// one decode row's attention alone is too small to split.
 ///
 /// # Shapes
@@ -159,11 +165,14 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         seen: Vec<usize>,
         /// Decode rows (at most [`DOT_ROWS_MAX`]): dot products, not GEMMs.
         decode: bool,
+        /// A few prefill rows: the few-rows kernel, keys split into chunks like decode rows'.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+        few: bool,
         /// Query rows per block, and blocks.
         qblock: usize,
         blocks: usize,
-        /// Decode rows: chunks of keys per K/V head (merged after the tasks), keys per chunk,
-        /// and the first of this sequence's rows' softmax parts.
+        /// Decode and few rows: chunks of keys per K/V head (merged after the tasks), keys per
+        /// chunk, and the first of this sequence's rows' softmax parts.
         chunks: usize,
         #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
         chunk_keys: usize,
@@ -192,6 +201,10 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let group_kernel = x86::available(hd);
     #[cfg(not(target_arch = "x86_64"))]
     let group_kernel = false;
+    #[cfg(target_arch = "x86_64")]
+    let (few_kernel, few_rows_max) = (x86::block_available(hd), x86::BLOCK_ROWS_MAX);
+    #[cfg(not(target_arch = "x86_64"))]
+    let (few_kernel, few_rows_max) = (false, 1);
     let (mut rows, mut jobs, mut work, mut part_rows) = (0, 0, 0, 0);
     let preps: Vec<Prep> = items
         .into_iter()
@@ -209,14 +222,6 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             } else {
                 it.seen
             };
-            let qblock = query_block(&seen, kv_heads, threads);
-            let blocks = n.div_ceil(qblock);
-            let keys = seen[n - 1];
-            let chunks = if group_kernel && decode {
-                split::key_chunks(keys, kv_heads, threads)
-            } else {
-                1
-            };
             // Decode rows read an f16 cache in the group kernel; anything else widens it once.
             let half = it.k.dtype() == DType::F16;
             let direct = half && group_kernel && decode;
@@ -225,14 +230,33 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             } else {
                 (it.k, it.v)
             };
+            let (k, v) = (flex(k), flex(v));
+            let keys = seen[n - 1];
+            let forwards = k.layout().strides()[2] > 0 && v.layout().strides()[2] > 0;
+            let few = few_kernel && !decode && forwards && group * n <= FEW_ROWS_MAX;
+            let (qblock, chunks) = if few {
+                // Blocks of stacked rows that fit the kernel, keys split to fill the threads.
+                let qblock = n.div_ceil((group * n).div_ceil(few_rows_max));
+                let blocks = n.div_ceil(qblock);
+                (qblock, split::key_chunks(keys, kv_heads * blocks, threads))
+            } else if group_kernel && decode {
+                (
+                    query_block(&seen, kv_heads, threads),
+                    split::key_chunks(keys, kv_heads, threads),
+                )
+            } else {
+                (query_block(&seen, kv_heads, threads), 1)
+            };
+            let blocks = n.div_ceil(qblock);
             let p = Prep {
                 q: flex(it.q),
-                k: flex(k),
-                v: flex(v),
+                k,
+                v,
                 half: direct,
                 n,
                 seen,
                 decode,
+                few,
                 qblock,
                 blocks,
                 row0: rows,
@@ -293,6 +317,22 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                     out_ptr.get().add(out_at + i * width),
                     hd,
                 );
+            }
+        }
+    };
+    // A block's stacked outputs (head-major) to their heads' columns of their rows.
+    let scatter = |o: &[f32], it: &Prep, hg: usize, r0: usize, rb: usize| {
+        for (g, head) in o.chunks_exact(rb * hd).enumerate() {
+            let h = hg * group + g;
+            for (i, o) in head.chunks_exact(hd).enumerate() {
+                // SAFETY: each task writes its own group's columns of its own rows.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        o.as_ptr(),
+                        out_ptr.get().add((it.row0 + r0 + i) * width + h * hd),
+                        hd,
+                    );
+                }
             }
         }
     };
@@ -358,20 +398,71 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 gemm::Parallelism::None,
             );
         }
-        for (g, head) in buf.o.chunks_exact(rb * hd).enumerate() {
-            let h = hg * group + g;
-            for (i, o) in head.chunks_exact(hd).enumerate() {
-                // SAFETY: each task writes its own group's columns of its own rows.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        o.as_ptr(),
-                        out_ptr.get().add((it.row0 + r0 + i) * width + h * hd),
-                        hd,
-                    );
-                }
+        scatter(&buf.o, it, hg, r0, rb);
+    };
+    // A few prefill rows of one GQA group (a follow-up turn's, over a long cache) through the
+    // hand-written kernel: chunk `ch` of the keys, as softmax parts where there are several.
+    #[cfg(target_arch = "x86_64")]
+    let few_rows = |buf: &mut Scratch, it: &Prep, hg: usize, b: usize, ch: usize| -> bool {
+        if !it.few {
+            return false;
+        }
+        let (r0, live, kv_end) = it.block(b);
+        let rb = live.len();
+        let m = group * rb;
+        let (ks, k_head, k_row) = heads4(&it.k);
+        let (vs, v_head, v_row) = heads4(&it.v);
+        let (lo, hi) = (ch * it.chunk_keys, ((ch + 1) * it.chunk_keys).min(kv_end));
+        buf.stack_queries(&it.q, hg * group..(hg + 1) * group, r0..r0 + rb);
+        buf.live.clear();
+        for _ in 0..group {
+            buf.live
+                .extend(live.iter().map(|&l| l.clamp(lo, hi.max(lo)) - lo));
+        }
+        buf.o.resize(m * hd, 0.0);
+        buf.stats.resize(m, (0.0, 0.0));
+        // SAFETY: `few_kernel` checked the CPU and `hd`; keys and values lo..hi of head hg
+        // lie inside their tensors (the caller's shapes; `few` checked the strides).
+        unsafe {
+            x86::group_block(
+                &buf.q,
+                hd,
+                &buf.live,
+                ks.as_ptr().add(hg * k_head + lo * k_row as usize),
+                k_row as usize,
+                vs.as_ptr().add(hg * v_head + lo * v_row as usize),
+                v_row as usize,
+                scale,
+                &mut buf.block,
+                &mut buf.o,
+                &mut buf.stats,
+            )
+        };
+        if it.chunks == 1 {
+            for (o, &(_, sum)) in buf.o.chunks_exact_mut(hd).zip(&buf.stats) {
+                let inv = 1.0 / sum;
+                o.iter_mut().for_each(|x| *x *= inv);
+            }
+            scatter(&buf.o, it, hg, r0, rb);
+            return true;
+        }
+        let slot = split::slot_len(hd);
+        for (r, (o, &(top, sum))) in buf.o.chunks_exact(hd).zip(&buf.stats).enumerate() {
+            let (g, i) = (r / rb, r % rb);
+            let at = (it.part0 + r0 + i) * (width / hd) * chunks_max * slot
+                + ((hg * group + g) * chunks_max + ch) * slot;
+            // SAFETY: this task alone writes its rows' slots of its heads and chunk.
+            unsafe {
+                let p = parts_ptr.get().add(at);
+                *p = top;
+                *p.add(1) = sum;
+                std::ptr::copy_nonoverlapping(o.as_ptr(), p.add(2), hd);
             }
         }
+        true
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let few_rows = |_: &mut Scratch, _: &Prep, _: usize, _: usize, _: usize| false;
     // A decode task's GQA group through the hand-written kernel: each K/V row read once.
     #[cfg(target_arch = "x86_64")]
     let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize, ch: usize| -> bool {
@@ -501,7 +592,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             for h in hg * group..(hg + 1) * group {
                 one_head(&mut buf.scores, it, h, b);
             }
-        } else {
+        } else if !few_rows(buf, it, hg, b, ch) {
             group_gemm(buf, it, hg, b);
         }
     };
@@ -539,6 +630,11 @@ pub(crate) struct Scratch {
     o: Vec<f32>,
     /// Keys seen by each stacked row.
     pub(super) live: Vec<usize>,
+    /// The few-rows kernel's softmax parts, a (largest score, sum) pair a stacked row.
+    stats: Vec<(f32, f32)>,
+    /// The few-rows kernel's buffers.
+    #[cfg(target_arch = "x86_64")]
+    block: x86::BlockScratch,
 }
 
 impl Scratch {

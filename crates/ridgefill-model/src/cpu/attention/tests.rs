@@ -190,3 +190,64 @@ fn softmax_rows_are_causal_and_sum_to_one() {
         }
     }
 }
+
+#[test]
+fn follow_up_rows_over_a_long_cache_match_naive() {
+    // A follow-up turn's rows over a long cache: stacked GQA rows of one vector (16 or fewer),
+    // of two (up to 32, the few-rows kernel), and past it (the GEMM); key counts around the
+    // kernel's key blocks.
+    let device = Device::flex();
+    let mut seed = 11u32;
+    let mut rnd = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    };
+    // Rows at scattered positions whose keys end before the second chunk's (an exact pass
+    // over a long cache): their parts there are empty.
+    let scattered = vec![3, 10, 1500, 2000, 2100];
+    for (heads, kv_heads, n, t, hd, seen) in [
+        (9, 3, 19, 3019, 64, Vec::new()),
+        (9, 3, 5, 1300, 64, Vec::new()),
+        (9, 3, 11, 137, 128, Vec::new()),
+        (4, 1, 8, 500, 64, Vec::new()),
+        (10, 2, 19, 700, 64, Vec::new()),
+        (9, 3, 5, 2100, 64, scattered),
+    ] {
+        let q = rnd(heads * n * hd);
+        let (k, v) = (rnd(kv_heads * t * hd), rnd(kv_heads * t * hd));
+        let item = AttnItem {
+            q: Tensor::from_data(TensorData::new(q.clone(), [1, heads, n, hd]), &device),
+            k: Tensor::from_data(TensorData::new(k.clone(), [1, kv_heads, t, hd]), &device),
+            v: Tensor::from_data(TensorData::new(v.clone(), [1, kv_heads, t, hd]), &device),
+            seen: seen.clone(),
+        };
+        let got = attention_many(vec![item])
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        for i in 0..n {
+            for h in 0..heads {
+                let kh = h / (heads / kv_heads);
+                let want = naive_row(
+                    &q[(h * n + i) * hd..][..hd],
+                    &k[kh * t * hd..][..t * hd],
+                    &v[kh * t * hd..][..t * hd],
+                    hd,
+                    seen.get(i).copied().unwrap_or(t - n + i + 1),
+                );
+                let row = &got[i * heads * hd + h * hd..][..hd];
+                for (d, (a, b)) in row.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() < 1e-4,
+                        "heads {heads}/{kv_heads} n {n} t {t} hd {hd} row {i} head {h} col {d}: \
+                         {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

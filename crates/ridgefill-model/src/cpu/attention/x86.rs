@@ -6,9 +6,13 @@
 //! head: the compiler vectorised `dot_scores` two floats wide without FMA, and it was 16% of an
 //! eight-sequence decode step (docs/history/BENCHMARKS-history.md). Here sixteen keys' partial sums are reduced
 //! together by a shuffle tree (about three instructions per key). K and V are read as f32 or
-//! as f16 (the fused path's cache), widened in registers.
+//! as f16 (the fused path's cache), widened in registers. A few prefill rows over a long cache
+//! (a follow-up turn) go to [`block`]'s kernel.
 
 mod avx2;
+mod block;
+
+pub use block::{BLOCK_ROWS_MAX, BlockScratch, available as block_available, group_block};
 
 use std::arch::x86_64::*;
 
