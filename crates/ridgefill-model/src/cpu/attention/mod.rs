@@ -1,16 +1,17 @@
-//! Causal grouped-query attention on flex tensors: prefill rows as GEMMs over each GQA group's
-//! stacked query heads, a few prefill rows over a long cache (a follow-up turn) through the x86
-//! few-rows kernel, decode rows as dot products (or the x86 group kernel), every sequence's
-//! tasks in one parallel dispatch; masked entries are never scored.
+//! Causal grouped-query attention on flex tensors: prompt rows through the x86 block kernel
+//! (AVX-512) or as GEMMs over each GQA group's stacked query heads, decode rows as dot products
+//! (or the x86 group kernel), every sequence's tasks in one parallel dispatch; masked entries are
+//! never scored.
 
 mod received;
+mod scratch;
 mod split;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use received::attention_received;
 
-use std::ops::Range;
+use scratch::{SCRATCH, Scratch};
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, Tensor};
@@ -32,9 +33,17 @@ pub(crate) const QUERY_BLOCK: usize = 64;
 /// for a GEMM costs more than the product itself.
 pub(crate) const DOT_ROWS_MAX: usize = 4;
 
-/// Stacked query rows (GQA group × new rows) up to which prefill rows go to the few-rows kernel
-/// (x86 with AVX-512) rather than the GEMMs: a follow-up turn's question over a long cache.
-const FEW_ROWS_MAX: usize = 128;
+/// Stacked query rows (GQA group × prompt rows) up to which the block kernel's key chunks are
+/// tasks of their own, merged after the dispatch (a follow-up turn's few rows over a long
+/// cache, whose 3 K/V heads alone leave a thread idle); larger prompts loop over them in a task.
+const SPREAD_ROWS_MAX: usize = 128;
+
+/// Keys per chunk of the block kernel, at fixed boundaries: a prompt row's attention is then the
+/// same sums in the same order whether its prompt ran cold or as a follow-up over a reused
+/// prefix, with its chunks as tasks or as a loop — bit for bit, which the reused = cold
+/// guarantee needs where the weights quantise activations to 8 bits (a last-bit change there
+/// moved SmolLM2's logits by 0.40).
+const PROMPT_KEY_CHUNK: usize = 512;
 
 /// A task's cost beyond its query rows, in rows: its setup and the K/V packing every task
 /// repeats (fitted on 2 AVX2 threads, 8–100 rows over 800–3000 keys).
@@ -146,9 +155,9 @@ pub struct AttnItem {
 /// Causal grouped-query attention of one or more sequences, heads merged on output. Each task
 /// takes one sequence's GQA group (the query heads sharing a K/V head) and block of query rows
 /// and multiplies only the keys its rows see: prefill rows as two GEMMs with the group's heads
-/// stacked, so each K/V head is packed once per block rather than once per query head; up to
-/// [`FEW_ROWS_MAX`] stacked rows through the few-rows kernel, a head's keys split among tasks;
-/// decode rows through the group kernel. The tasks of all sequences share one parallel dispatch, where
+/// stacked, so each K/V head is packed once per block rather than once per query head (where
+/// AVX-512 runs, blocks of the block kernel instead, keys in [`PROMPT_KEY_CHUNK`] chunks whose
+/// softmax parts are merged); decode rows through the group kernel. The tasks of all sequences share one parallel dispatch, where
 /// one decode row's attention alone is too small to split.
 ///
 /// # Shapes
@@ -165,14 +174,19 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         seen: Vec<usize>,
         /// Decode rows (at most [`DOT_ROWS_MAX`]): dot products, not GEMMs.
         decode: bool,
-        /// A few prefill rows: the few-rows kernel, keys split into chunks like decode rows'.
+        /// Prompt rows through the block kernel; with `spread`, a task a chunk of keys.
         #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-        few: bool,
+        blocked: bool,
+        #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+        spread: bool,
+        /// Tasks per block of rows and K/V head: `chunks` where parts are merged after the
+        /// dispatch, else 1.
+        per_block: usize,
         /// Query rows per block, and blocks.
         qblock: usize,
         blocks: usize,
-        /// Decode and few rows: chunks of keys per K/V head (merged after the tasks), keys per
-        /// chunk, and the first of this sequence's rows' softmax parts.
+        /// Decode and block-kernel rows: chunks of keys per K/V head, keys per chunk, and the first
+        /// of this sequence's rows' softmax parts (where chunks are tasks).
         chunks: usize,
         #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
         chunk_keys: usize,
@@ -202,9 +216,9 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     #[cfg(not(target_arch = "x86_64"))]
     let group_kernel = false;
     #[cfg(target_arch = "x86_64")]
-    let (few_kernel, few_rows_max) = (x86::block_available(hd), x86::BLOCK_ROWS_MAX);
+    let (block_kernel, block_rows_max) = (x86::block_available(hd), x86::BLOCK_ROWS_MAX);
     #[cfg(not(target_arch = "x86_64"))]
-    let (few_kernel, few_rows_max) = (false, 1);
+    let (block_kernel, block_rows_max) = (false, 1);
     let (mut rows, mut jobs, mut work, mut part_rows) = (0, 0, 0, 0);
     let preps: Vec<Prep> = items
         .into_iter()
@@ -233,12 +247,11 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             let (k, v) = (flex(k), flex(v));
             let keys = seen[n - 1];
             let forwards = k.layout().strides()[2] > 0 && v.layout().strides()[2] > 0;
-            let few = few_kernel && !decode && forwards && group * n <= FEW_ROWS_MAX;
-            let (qblock, chunks) = if few {
-                // Blocks of stacked rows that fit the kernel, keys split to fill the threads.
-                let qblock = n.div_ceil((group * n).div_ceil(few_rows_max));
-                let blocks = n.div_ceil(qblock);
-                (qblock, split::key_chunks(keys, kv_heads * blocks, threads))
+            let blocked = block_kernel && !decode && forwards && group <= block_rows_max;
+            let (qblock, chunks) = if blocked {
+                // Blocks of stacked rows that fit the kernel, as even as their count allows.
+                let blocks = n.div_ceil(block_rows_max / group);
+                (n.div_ceil(blocks), keys.div_ceil(PROMPT_KEY_CHUNK))
             } else if group_kernel && decode {
                 (
                     query_block(&seen, kv_heads, threads),
@@ -248,6 +261,8 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 (query_block(&seen, kv_heads, threads), 1)
             };
             let blocks = n.div_ceil(qblock);
+            let spread = blocked && group * n <= SPREAD_ROWS_MAX && chunks > 1;
+            let per_block = if blocked && !spread { 1 } else { chunks };
             let p = Prep {
                 q: flex(it.q),
                 k,
@@ -256,18 +271,24 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
                 n,
                 seen,
                 decode,
-                few,
+                blocked,
+                spread,
+                per_block,
                 qblock,
                 blocks,
                 row0: rows,
                 job0: jobs,
                 chunks,
-                chunk_keys: keys.div_ceil(chunks),
+                chunk_keys: if blocked {
+                    PROMPT_KEY_CHUNK
+                } else {
+                    keys.div_ceil(chunks)
+                },
                 part0: part_rows,
             };
             rows += n;
-            jobs += kv_heads * blocks * chunks;
-            if chunks > 1 {
+            jobs += kv_heads * blocks * per_block;
+            if per_block > 1 {
                 part_rows += n;
             }
             work += heads * n * t * hd;
@@ -277,7 +298,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let mut out = vec![0f32; rows * width];
     let out_ptr = SendPtr(out.as_mut_ptr());
     // Split decode rows' softmax parts: per row, head and chunk, one `split::slot_len` slot.
-    let chunks_max = preps.iter().map(|p| p.chunks).max().unwrap_or(1);
+    let chunks_max = preps.iter().map(|p| p.per_block).max().unwrap_or(1);
     let slot = split::slot_len(hd);
     let mut parts = vec![0f32; part_rows * heads * chunks_max * slot];
     // Written only by the x86 group kernels (elsewhere every sequence keeps one chunk).
@@ -400,69 +421,85 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         }
         scatter(&buf.o, it, hg, r0, rb);
     };
-    // A few prefill rows of one GQA group (a follow-up turn's, over a long cache) through the
-    // hand-written kernel: chunk `ch` of the keys, as softmax parts where there are several.
+    // A block of prompt rows of one GQA group through the block kernel, keys in fixed chunks:
+    // chunk `ch` as softmax parts merged after the dispatch (`spread`), or every chunk the block
+    // sees, merged here the same way.
     #[cfg(target_arch = "x86_64")]
-    let few_rows = |buf: &mut Scratch, it: &Prep, hg: usize, b: usize, ch: usize| -> bool {
-        if !it.few {
+    let block_rows = |buf: &mut Scratch, it: &Prep, hg: usize, b: usize, ch: usize| -> bool {
+        if !it.blocked {
             return false;
         }
         let (r0, live, kv_end) = it.block(b);
-        let rb = live.len();
+        let (rb, ck) = (live.len(), it.chunk_keys);
         let m = group * rb;
-        let (ks, k_head, k_row) = heads4(&it.k);
-        let (vs, v_head, v_row) = heads4(&it.v);
-        let (lo, hi) = (ch * it.chunk_keys, ((ch + 1) * it.chunk_keys).min(kv_end));
-        buf.stack_queries(&it.q, hg * group..(hg + 1) * group, r0..r0 + rb);
-        buf.live.clear();
-        for _ in 0..group {
-            buf.live
-                .extend(live.iter().map(|&l| l.clamp(lo, hi.max(lo)) - lo));
-        }
-        buf.o.resize(m * hd, 0.0);
-        buf.stats.resize(m, (0.0, 0.0));
-        // SAFETY: `few_kernel` checked the CPU and `hd`; keys and values lo..hi of head hg
-        // lie inside their tensors (the caller's shapes; `few` checked the strides).
-        unsafe {
-            x86::group_block(
-                &buf.q,
-                hd,
-                &buf.live,
-                ks.as_ptr().add(hg * k_head + lo * k_row as usize),
-                k_row as usize,
-                vs.as_ptr().add(hg * v_head + lo * v_row as usize),
-                v_row as usize,
-                scale,
-                &mut buf.block,
-                &mut buf.o,
-                &mut buf.stats,
-            )
+        let chunks = if it.spread {
+            ch..(ch + 1).min(kv_end.div_ceil(ck))
+        } else {
+            0..kv_end.div_ceil(ck)
         };
-        if it.chunks == 1 {
-            for (o, &(_, sum)) in buf.o.chunks_exact_mut(hd).zip(&buf.stats) {
-                let inv = 1.0 / sum;
-                o.iter_mut().for_each(|x| *x *= inv);
-            }
-            scatter(&buf.o, it, hg, r0, rb);
+        if chunks.is_empty() {
+            // Keys past the block's last row: its parts stay empty (a sum of 0, skipped).
             return true;
         }
+        let (ks, k_head, k_row) = heads4(&it.k);
+        let (vs, v_head, v_row) = heads4(&it.v);
         let slot = split::slot_len(hd);
-        for (r, (o, &(top, sum))) in buf.o.chunks_exact(hd).zip(&buf.stats).enumerate() {
-            let (g, i) = (r / rb, r % rb);
-            let at = (it.part0 + r0 + i) * (width / hd) * chunks_max * slot
-                + ((hg * group + g) * chunks_max + ch) * slot;
-            // SAFETY: this task alone writes its rows' slots of its heads and chunk.
+        buf.stack_queries(&it.q, hg * group..(hg + 1) * group, r0..r0 + rb);
+        buf.o.resize(m * hd, 0.0);
+        buf.stats.resize(m, (0.0, 0.0));
+        let count = chunks.len();
+        buf.parts.clear();
+        buf.parts.resize(m * count * slot, 0.0);
+        for (c, chunk) in chunks.clone().enumerate() {
+            let (lo, hi) = (chunk * ck, ((chunk + 1) * ck).min(kv_end));
+            buf.live.clear();
+            for _ in 0..group {
+                buf.live.extend(live.iter().map(|&l| l.clamp(lo, hi) - lo));
+            }
+            // SAFETY: `block_kernel` checked the CPU and `hd`; keys and values lo..hi < kv_end of
+            // head hg lie inside their tensors (the caller's shapes; `blocked` checked the strides).
             unsafe {
-                let p = parts_ptr.get().add(at);
-                *p = top;
-                *p.add(1) = sum;
-                std::ptr::copy_nonoverlapping(o.as_ptr(), p.add(2), hd);
+                x86::group_block(
+                    &buf.q,
+                    hd,
+                    &buf.live,
+                    ks.as_ptr().add(hg * k_head + lo * k_row as usize),
+                    k_row as usize,
+                    vs.as_ptr().add(hg * v_head + lo * v_row as usize),
+                    v_row as usize,
+                    scale,
+                    &mut buf.block,
+                    &mut buf.o,
+                    &mut buf.stats,
+                )
+            };
+            for (r, (o, &(top, sum))) in buf.o.chunks_exact(hd).zip(&buf.stats).enumerate() {
+                let part = &mut buf.parts[(r * count + c) * slot..][..slot];
+                part[0] = top;
+                part[1] = sum;
+                part[2..].copy_from_slice(o);
             }
         }
+        if it.spread {
+            for (r, part) in buf.parts.chunks_exact(slot).enumerate() {
+                let (g, i) = (r / rb, r % rb);
+                let at = (it.part0 + r0 + i) * (width / hd) * chunks_max * slot
+                    + ((hg * group + g) * chunks_max + ch) * slot;
+                // SAFETY: this task alone writes its rows' slots of its heads and chunk.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(part.as_ptr(), parts_ptr.get().add(at), slot)
+                };
+            }
+            return true;
+        }
+        for (r, o) in buf.o.chunks_exact_mut(hd).enumerate() {
+            split::merge(&buf.parts[r * count * slot..][..count * slot], hd, o);
+        }
+        scatter(&buf.o, it, hg, r0, rb);
         true
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let few_rows = |_: &mut Scratch, _: &Prep, _: usize, _: usize, _: usize| false;
+    let block_rows = |_: &mut Scratch, _: &Prep, _: usize, _: usize, _: usize| false;
     // A decode task's GQA group through the hand-written kernel: each K/V row read once.
     #[cfg(target_arch = "x86_64")]
     let group_rows = |scores: &mut Vec<f32>, it: &Prep, hg: usize, b: usize, ch: usize| -> bool {
@@ -582,8 +619,8 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
     let task = |buf: &mut Scratch, job: usize| {
         let it = &preps[preps.partition_point(|p| p.job0 <= job) - 1];
         let j = job - it.job0;
-        let per_head = it.blocks * it.chunks;
-        let (hg, b, ch) = (j / per_head, j % per_head / it.chunks, j % it.chunks);
+        let per_head = it.blocks * it.per_block;
+        let (hg, b, ch) = (j / per_head, j % per_head / it.per_block, j % it.per_block);
         if group_rows(&mut buf.scores, it, hg, b, ch) {
             return;
         }
@@ -592,7 +629,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             for h in hg * group..(hg + 1) * group {
                 one_head(&mut buf.scores, it, h, b);
             }
-        } else if !few_rows(buf, it, hg, b, ch) {
+        } else if !block_rows(buf, it, hg, b, ch) {
             group_gemm(buf, it, hg, b);
         }
     };
@@ -603,7 +640,7 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         pool::for_each(jobs, &run);
     }
     let slot_row = heads * chunks_max * slot;
-    for it in preps.iter().filter(|p| p.chunks > 1) {
+    for it in preps.iter().filter(|p| p.per_block > 1) {
         for r in 0..it.n {
             let row = &parts[(it.part0 + r) * slot_row..][..slot_row];
             for h in 0..heads {
@@ -613,49 +650,6 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
         }
     }
     wrap(out, [rows, width])
-}
-
-thread_local! {
-    /// Each thread's attention buffers (scores are rows × keys: megabytes at long prompts).
-    pub(super) static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
-}
-
-/// One attention task's buffers, kept per thread across tasks and calls.
-#[derive(Default)]
-pub(crate) struct Scratch {
-    pub(super) scores: Vec<f32>,
-    /// A GQA group's query rows, stacked.
-    q: Vec<f32>,
-    /// Their outputs, before they go to their heads' columns.
-    o: Vec<f32>,
-    /// Keys seen by each stacked row.
-    pub(super) live: Vec<usize>,
-    /// The few-rows kernel's softmax parts, a (largest score, sum) pair a stacked row.
-    stats: Vec<(f32, f32)>,
-    /// The few-rows kernel's buffers.
-    #[cfg(target_arch = "x86_64")]
-    block: x86::BlockScratch,
-}
-
-impl Scratch {
-    /// Stacks the query rows `rows` of heads `heads` of `q` (`[1, heads, n, hd]`), head-major,
-    /// so a GQA group's heads meet their shared K/V head in one product.
-    pub(super) fn stack_queries(
-        &mut self,
-        q: &FlexTensor,
-        heads: Range<usize>,
-        rows: Range<usize>,
-    ) {
-        let hd = q.layout().shape()[3];
-        let (qs, q_head, q_row) = heads4(q);
-        self.q.clear();
-        for h in heads {
-            for i in rows.clone() {
-                self.q
-                    .extend_from_slice(&qs[h * q_head + i * q_row as usize..][..hd]);
-            }
-        }
-    }
 }
 
 #[cfg(test)]

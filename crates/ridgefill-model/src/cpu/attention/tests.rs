@@ -251,3 +251,61 @@ fn follow_up_rows_over_a_long_cache_match_naive() {
         }
     }
 }
+
+#[test]
+fn a_follow_up_row_is_its_cold_row_bit_for_bit() {
+    // The reused = cold guarantee: the last rows of a prompt attended as a follow-up over the
+    // cached rest (their key chunks as tasks) give the bits the whole prompt's cold attention
+    // gives them (chunks looped in a task), where the block kernel runs.
+    let device = Device::flex();
+    let (heads, kv_heads, hd, t) = (9, 3, 64, 1300);
+    let mut seed = 5u32;
+    let mut rnd = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
+            })
+            .collect()
+    };
+    let (q, k, v) = (
+        rnd(heads * t * hd),
+        rnd(kv_heads * t * hd),
+        rnd(kv_heads * t * hd),
+    );
+    let kv =
+        |x: &[f32]| Tensor::from_data(TensorData::new(x.to_vec(), [1, kv_heads, t, hd]), &device);
+    let run = |n: usize| -> Vec<f32> {
+        // Queries of the last n rows, head-major.
+        let rows: Vec<f32> = (0..heads)
+            .flat_map(|h| q[(h * t + t - n) * hd..(h + 1) * t * hd].to_vec())
+            .collect();
+        let item = AttnItem {
+            q: Tensor::from_data(TensorData::new(rows, [1, heads, n, hd]), &device),
+            k: kv(&k),
+            v: kv(&v),
+            seen: Vec::new(),
+        };
+        attention_many(vec![item])
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+    };
+    let cold = run(t);
+    #[cfg(target_arch = "x86_64")]
+    let exact = x86::block_available(hd);
+    #[cfg(not(target_arch = "x86_64"))]
+    let exact = false;
+    for n in [19, 8, 40] {
+        let follow = run(n);
+        let width = heads * hd;
+        let tail = &cold[(t - n) * width..];
+        for (i, (a, b)) in follow.iter().zip(tail).enumerate() {
+            if exact {
+                assert_eq!(a.to_bits(), b.to_bits(), "n {n} element {i}: {a} vs {b}");
+            } else {
+                assert!((a - b).abs() < 1e-5, "n {n} element {i}: {a} vs {b}");
+            }
+        }
+    }
+}

@@ -1,14 +1,16 @@
-//! AVX-512 attention of a few stacked query rows (a GQA group's heads × a follow-up turn's
-//! rows) over a long cache. Scores are kept keys × rows: each K element is broadcast to every
-//! row at once (no horizontal sums), the softmax runs down the keys lane by lane, and each V
-//! element is broadcast to every row's weights, a block of keys at a time while it is in L1.
+//! AVX-512 attention of a block of stacked query rows (a GQA group's heads × up to 64 / group
+//! prompt rows) over one chunk of keys. Scores are kept keys × rows: each K element is broadcast
+//! to every row at once (no horizontal sums), the softmax runs down the keys lane by lane, and
+//! each V element is broadcast to every row's weights, a block of keys at a time while it is in
+//! L1. A row's result is the same sums in the same order whatever rows share its block, which
+//! lets a follow-up's rows equal their cold prefill's bit for bit.
 //!
-//! Written by hand because the `gemm` crate, which prefill blocks of 64 rows use well, packs a
-//! head's whole K and V afresh for each block of a few rows, so a follow-up's rows had to be cut
-//! into blocks (each reading the head's K/V again) to keep two threads busy. Here a head's
-//! stacked rows are one block and its keys are split among the tasks instead (softmax parts
-//! merged as decode rows' are). 19 rows over 3019 keys, SmolLM2's 9/3 heads, 30 layers of K/V
-//! from memory, Xeon model 167: 1.24 → 0.81 ms a layer on 2 threads (1.85 → 1.69 on one).
+//! Written by hand because the `gemm` crate, which the prompt rows used before, packs a head's
+//! whole K and V afresh for each block of rows, so a follow-up's 19 rows had to be cut into two
+//! blocks (each reading the head's K/V again) to keep two threads busy; here a head's keys are
+//! split among the tasks instead. 19 rows over 3019 keys, SmolLM2's 9/3 heads, 30 layers of K/V
+//! from memory, Xeon model 167: 1.24 → 0.81 ms a layer on 2 threads (1.85 → 1.69 on one); a
+//! fresh 512-token prompt's attention 61.8 → 52.6 ms over the 30 layers.
 
 use std::arch::x86_64::*;
 
