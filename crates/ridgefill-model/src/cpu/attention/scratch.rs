@@ -26,7 +26,9 @@ pub(crate) struct Scratch {
     pub(super) live: Vec<usize>,
     /// The block kernel's softmax parts: a (largest score, sum) pair a stacked row, and each
     /// row's parts over the chunks, `split::slot_len` floats each.
+    #[cfg(target_arch = "x86_64")]
     pub(super) stats: Vec<(f32, f32)>,
+    #[cfg(target_arch = "x86_64")]
     pub(super) parts: Vec<f32>,
     /// The block kernel's buffers.
     #[cfg(target_arch = "x86_64")]
