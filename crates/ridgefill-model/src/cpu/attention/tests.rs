@@ -21,6 +21,56 @@ fn naive_row(q: &[f32], k: &[f32], v: &[f32], hd: usize, live: usize) -> Vec<f32
         .collect()
 }
 
+/// One sequence's attention, on the host.
+fn attend(item: AttnItem) -> Vec<f32> {
+    attention_many(vec![item])
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap()
+}
+
+/// Uniform values in `[-half, half)` from a fixed LCG.
+fn values(n: usize, seed: &mut u32, half: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (*seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 * half - half
+        })
+        .collect()
+}
+
+/// Asserts `got` (`[n, heads·hd]`) is naive attention of `q` (`[heads, n, hd]`) over `k`, `v`
+/// (`[kv_heads, t, hd]`), row `i` seeing its first `live(i)` keys.
+#[allow(clippy::too_many_arguments)]
+fn assert_rows_match_naive(
+    what: &str,
+    got: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (heads, kv_heads, hd): (usize, usize, usize),
+    (n, t): (usize, usize),
+    live: impl Fn(usize) -> usize,
+) {
+    for i in 0..n {
+        for h in 0..heads {
+            let kh = h / (heads / kv_heads);
+            let want = naive_row(
+                &q[(h * n + i) * hd..][..hd],
+                &k[kh * t * hd..][..t * hd],
+                &v[kh * t * hd..][..t * hd],
+                hd,
+                live(i),
+            );
+            let row = &got[i * heads * hd + h * hd..][..hd];
+            for (d, (a, b)) in row.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() < 1e-4,
+                    "{what} n {n} t {t} hd {hd} row {i} head {h} col {d}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn attention_rows_match_naive() {
     // GQA groups of 3, of 5 (the AVX2 kernel's 4 heads and 1) and of 8.
@@ -53,14 +103,7 @@ fn attention_matches_naive(half: bool, heads: usize, kv_heads: usize) {
         // chunks of keys on 2 threads; sequences batched into one call.
         let lens = [1usize, 15, 16, 17, 40, 1100];
         let mut seed = 7u32;
-        let mut rnd = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-                })
-                .collect()
-        };
+        let mut rnd = |n: usize| values(n, &mut seed, 2.0);
         let data: Vec<_> = lens
             .iter()
             .map(|&t| {
@@ -124,30 +167,15 @@ fn attention_matches_naive(half: bool, heads: usize, kv_heads: usize) {
                 v: to_kv(v.clone(), [1, kv_heads, t, hd]),
                 seen: seen.clone(),
             };
-            let got = attention_many(vec![item])
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap();
-            for i in 0..n {
-                for h in 0..heads {
-                    let kh = h / (heads / kv_heads);
-                    let want = naive_row(
-                        &q[(h * n + i) * hd..][..hd],
-                        &k[kh * t * hd..][..t * hd],
-                        &v[kh * t * hd..][..t * hd],
-                        hd,
-                        live(i),
-                    );
-                    let row = &got[i * heads * hd + h * hd..][..hd];
-                    for (d, (a, b)) in row.iter().zip(&want).enumerate() {
-                        assert!(
-                            (a - b).abs() < 1e-4,
-                            "prefill half {half} hd {hd} n {n} row {i} head {h} col {d}: \
-                             {a} vs {b}"
-                        );
-                    }
-                }
-            }
+            let got = attend(item);
+            assert_rows_match_naive(
+                &format!("prefill half {half}"),
+                &got,
+                (&q, &k, &v),
+                (heads, kv_heads, hd),
+                (n, t),
+                live,
+            );
         }
     }
 }
@@ -198,14 +226,7 @@ fn follow_up_rows_over_a_long_cache_match_naive() {
     // kernel's key blocks.
     let device = Device::flex();
     let mut seed = 11u32;
-    let mut rnd = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-            })
-            .collect()
-    };
+    let mut rnd = |n: usize| values(n, &mut seed, 2.0);
     // Rows at scattered positions whose keys end before the second chunk's (an exact pass
     // over a long cache): their parts there are empty.
     let scattered = vec![3, 10, 1500, 2000, 2100];
@@ -225,30 +246,15 @@ fn follow_up_rows_over_a_long_cache_match_naive() {
             v: Tensor::from_data(TensorData::new(v.clone(), [1, kv_heads, t, hd]), &device),
             seen: seen.clone(),
         };
-        let got = attention_many(vec![item])
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap();
-        for i in 0..n {
-            for h in 0..heads {
-                let kh = h / (heads / kv_heads);
-                let want = naive_row(
-                    &q[(h * n + i) * hd..][..hd],
-                    &k[kh * t * hd..][..t * hd],
-                    &v[kh * t * hd..][..t * hd],
-                    hd,
-                    seen.get(i).copied().unwrap_or(t - n + i + 1),
-                );
-                let row = &got[i * heads * hd + h * hd..][..hd];
-                for (d, (a, b)) in row.iter().zip(&want).enumerate() {
-                    assert!(
-                        (a - b).abs() < 1e-4,
-                        "heads {heads}/{kv_heads} n {n} t {t} hd {hd} row {i} head {h} col {d}: \
-                         {a} vs {b}"
-                    );
-                }
-            }
-        }
+        let got = attend(item);
+        assert_rows_match_naive(
+            &format!("heads {heads}/{kv_heads}"),
+            &got,
+            (&q, &k, &v),
+            (heads, kv_heads, hd),
+            (n, t),
+            |i| seen.get(i).copied().unwrap_or(t - n + i + 1),
+        );
     }
 }
 
@@ -260,14 +266,7 @@ fn a_follow_up_row_is_its_cold_row_bit_for_bit() {
     let device = Device::flex();
     let (heads, kv_heads, hd, t) = (9, 3, 64, 1300);
     let mut seed = 5u32;
-    let mut rnd = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (seed >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
-            })
-            .collect()
-    };
+    let mut rnd = |n: usize| values(n, &mut seed, 4.0);
     let (q, k, v) = (
         rnd(heads * t * hd),
         rnd(kv_heads * t * hd),
@@ -286,10 +285,7 @@ fn a_follow_up_row_is_its_cold_row_bit_for_bit() {
             v: kv(&v),
             seen: Vec::new(),
         };
-        attention_many(vec![item])
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap()
+        attend(item)
     };
     let cold = run(t);
     #[cfg(target_arch = "x86_64")]
