@@ -205,30 +205,41 @@ simd_fn! {
     }
 }
 
+/// ln 2 split in two so `n·ln2` subtracts exactly ([`exp`] and its x86 vector twin).
+pub(crate) const EXP_LN2_HI: f32 = 0.693_359_4;
+pub(crate) const EXP_LN2_LO: f32 = -2.121_944_4e-4;
+/// Adding 1.5·2^23 rounds to the nearest integer in the low mantissa bits.
+pub(crate) const EXP_ROUND: f32 = 12_582_912.0;
+/// The Cephes polynomial of e^r on [-ln2/2, ln2/2], highest degree first.
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+/// The inputs [`exp`] clamps to (e^x stays a finite, normal f32).
+pub(crate) const EXP_MIN: f32 = -87.0;
+pub(crate) const EXP_MAX: f32 = 88.0;
+
 /// `e^x` to about 2 ulp (Cephes polynomial, branch-free so loops over it vectorise).
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split in two so `n·ln2` subtracts exactly.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding 1.5·2^23 rounds to the nearest integer in the low mantissa bits.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
+    let x = x.clamp(EXP_MIN, EXP_MAX);
+    let n = (x * LOG2E + EXP_ROUND) - EXP_ROUND;
+    let r = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p * r + c;
+    }
     let y = p * r * r + r + 1.0;
-    // 2^n built from its exponent bits: ROUND + 127 + n holds n + 127 in its low mantissa bits
+    // 2^n built from its exponent bits: EXP_ROUND + 127 + n holds n + 127 in its low mantissa bits
     // (a bit cast, where `n as i32` would saturate lane by lane and stop vectorisation).
-    let biased = (n + (ROUND + 127.0))
+    let biased = (n + (EXP_ROUND + 127.0))
         .to_bits()
-        .wrapping_sub(ROUND.to_bits());
+        .wrapping_sub(EXP_ROUND.to_bits());
     y * f32::from_bits(biased << 23)
 }
 

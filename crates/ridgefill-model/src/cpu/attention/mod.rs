@@ -157,8 +157,8 @@ pub struct AttnItem {
 /// and multiplies only the keys its rows see: prefill rows as two GEMMs with the group's heads
 /// stacked, so each K/V head is packed once per block rather than once per query head (where
 /// AVX-512 runs, blocks of the block kernel instead, keys in [`PROMPT_KEY_CHUNK`] chunks whose
-/// softmax parts are merged); decode rows through the group kernel. The tasks of all sequences share one parallel dispatch, where
-/// one decode row's attention alone is too small to split.
+/// softmax parts are merged); decode rows through the group kernel. The tasks of all sequences
+/// share one parallel dispatch, where one decode row's attention alone is too small to split.
 ///
 /// # Shapes
 /// - items: same heads and head size → `[Σ n, heads·hd]`, rows in order

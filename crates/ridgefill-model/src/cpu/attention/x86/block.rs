@@ -15,6 +15,7 @@
 use std::arch::x86_64::*;
 
 use super::prefetch_bytes;
+use crate::cpu::simd::{EXP_LN2_HI, EXP_LN2_LO, EXP_MAX, EXP_MIN, EXP_POLY, EXP_ROUND};
 
 /// f32 lanes per vector.
 const W: usize = 16;
@@ -257,33 +258,22 @@ unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>(
 #[target_feature(enable = "avx512f")]
 fn exp512(x: __m512) -> __m512 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0;
-    const POLY: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ];
     let x = _mm512_min_ps(
-        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
-        _mm512_set1_ps(88.0),
+        _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
+        _mm512_set1_ps(EXP_MAX),
     );
-    let round = _mm512_set1_ps(ROUND);
+    let round = _mm512_set1_ps(EXP_ROUND);
     let n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), round), round);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    let mut p = _mm512_set1_ps(POLY[0]);
-    for c in &POLY[1..] {
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
     }
     let r2 = _mm512_mul_ps(r, r);
     let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
     let biased = _mm512_sub_epi32(
-        _mm512_castps_si512(_mm512_add_ps(n, _mm512_set1_ps(ROUND + 127.0))),
+        _mm512_castps_si512(_mm512_add_ps(n, _mm512_set1_ps(EXP_ROUND + 127.0))),
         _mm512_castps_si512(round),
     );
     _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
