@@ -494,7 +494,8 @@ impl Report<'_> {
                     "questions": t.questions,
                     "identical": t.identical,
                     "first_sentence": t.first_sentence,
-                    "rouge_l": t.rouge_l(),
+                    "rouge_l": t.rouge_l().mean,
+                    "rouge_l_ci95_half_width": t.rouge_l().half,
                     "rouge_l_per_kind": per_kind,
                     "prefill_secs": t.prefill_secs,
                     "speedup": self.speedup(i),
@@ -534,8 +535,8 @@ impl Report<'_> {
         );
         let kind_cols: String = kinds.iter().map(|k| format!(" ROUGE-L {k} |")).collect();
         println!(
-            "| method | identical | first sentence | ROUGE-L |{kind_cols} prefill s | speed-up | \
-             prefill FLOPs |"
+            "| method | identical | first sentence | ROUGE-L (±95%) |{kind_cols} prefill s | \
+             speed-up | prefill FLOPs |"
         );
         println!(
             "|---|---:|---:|---:|{}---:|---:|---:|",
@@ -551,13 +552,13 @@ impl Report<'_> {
                 })
                 .collect();
             println!(
-                "| {} | {}/{} | {}/{} | {:.3} |{cols} {:.1} | {:.2}× | {:.3} |",
+                "| {} | {}/{} | {}/{} | {} |{cols} {:.1} | {:.2}× | {:.3} |",
                 self.row_name(i),
                 t.identical,
                 t.questions,
                 t.first_sentence,
                 t.questions,
-                t.rouge_l(),
+                t.rouge_l().show_mean(),
                 t.prefill_secs,
                 self.speedup(i),
                 t.flops_ratio()

@@ -2,14 +2,15 @@
 //! or on retrieval tasks (see [`retrieval`]), or on questions about real documents (see
 //! [`answers`]). Imports run one way: this file uses [`methods`], [`tasks`], [`retrieval`] and
 //! [`answers`]; `retrieval` uses `methods` and `tasks`; `answers` uses `methods`, `tasks` and
-//! [`answers_score`]; `methods` and `tasks` use neither. RULER's tasks:
-//! [`ruler_run`] uses `methods`, `tasks`, [`ruler`] and [`ruler_data`]; `tasks` uses `ruler`,
-//! which uses `ruler_data` and [`ruler_fit`]. Retrieval across chat turns: [`turns`] uses
-//! `methods`, `tasks` and `retrieval`.
+//! [`answers_score`], which uses [`paired`]; `methods` and `tasks` use neither. RULER's tasks:
+//! [`ruler_run`] uses `methods`, `tasks`, `paired`, [`ruler`] and [`ruler_data`]; `tasks` uses
+//! `ruler`, which uses `ruler_data` and [`ruler_fit`]. Retrieval across chat turns: [`turns`]
+//! uses `methods`, `tasks` and `retrieval`.
 
 mod answers;
 mod answers_score;
 mod methods;
+mod paired;
 mod retrieval;
 mod ruler;
 mod ruler_data;

@@ -14,6 +14,7 @@ use ridgefill::interrupt;
 use ridgefill::session::Loaded;
 
 use super::methods::{Generation, Header, Runner, generate, report_json};
+use super::paired::Gap;
 use super::ruler::{Material, RulerTask, Sample, postprocess, samples, string_match_all};
 use super::ruler_data::{Essay, Lexicon};
 use super::tasks::Task;
@@ -107,6 +108,16 @@ impl Row<'_> {
     fn tokens(&self) -> f64 {
         mean(self.answers.iter().map(|a| a.prompt_tokens as f64))
     }
+
+    /// Per-sample scores in percent.
+    fn scores(&self) -> Vec<f64> {
+        self.answers.iter().map(|a| a.score * PERCENT).collect()
+    }
+
+    /// This row's score over `full`'s on the same samples, in points, with its interval.
+    fn gap(&self, full: &Row) -> Gap {
+        Gap::paired(&self.scores(), &full.scores())
+    }
 }
 
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
@@ -121,6 +132,8 @@ struct Pooled {
     method: &'static str,
     score: f64,
     relative: Option<f64>,
+    /// The score's paired gap to full's, tasks averaged.
+    gap: Gap,
     flops: f64,
     secs: f64,
     speedup: f64,
@@ -263,11 +276,16 @@ fn pool(rows: &[Row], lengths: &[usize], methods: usize) -> Vec<Pooled> {
             let score = mean(of.iter().map(|r| r.score()));
             let secs: f64 = of.iter().map(|r| r.secs()).sum();
             let (full_score, full_secs) = *full.get_or_insert((score, secs));
+            let gaps: Vec<(Gap, usize)> = of
+                .iter()
+                .filter_map(|r| full_of(rows, r).map(|f| (r.gap(f), r.answers.len())))
+                .collect();
             out.push(Pooled {
                 length: scope,
                 method: name,
                 score,
                 relative: (full_score > 0.0).then(|| score / full_score),
+                gap: Gap::average(&gaps),
                 flops: mean(of.iter().map(|r| r.flops())),
                 secs,
                 speedup: full_secs / secs,
@@ -328,6 +346,7 @@ fn print_json(
                 "method": r.method,
                 "score": r.score(),
                 "relative_score": relative(r, full),
+                "gap_vs_full": full.map(|f| r.gap(f).json()),
                 "same_as_full": r.same(),
                 "samples": r.answers.len(),
                 "prompt_tokens": r.tokens(),
@@ -347,6 +366,7 @@ fn print_json(
                 "method": p.method,
                 "score": p.score,
                 "relative_score": p.relative,
+                "gap_vs_full": p.gap.json(),
                 "flops_ratio": p.flops,
                 "prefill_secs": p.secs,
                 "speedup": p.speedup,
@@ -379,21 +399,25 @@ fn print_table(rows: &[Row], pooled: &[Pooled], spec: &RulerSpec, h: &Header) {
     );
     println!(
         "score: RULER's string_match_all × 100 (share of a sample's references in its greedy \
-         answer, averaged); vs full: over full prefill's score; same: answers identical to full's; \
+         answer, averaged); vs full: over full prefill's score; gap: the score minus full's on the \
+         same samples, ± the half-width of its 95% t interval; same: answers identical to full's; \
          tokens: mean prompt tokens (the answer budget fills the length); prefill s: summed over \
          the samples, methods taking turns; speed-up: full's prefill seconds over the method's"
     );
     println!(
-        "| task | length | tokens | method | score | vs full | same | prefill FLOPs | prefill s | \
-         speed-up |"
+        "| task | length | tokens | method | score | vs full | gap | same | prefill FLOPs | \
+         prefill s | speed-up |"
     );
-    println!("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let full = full_of(rows, r);
         let rel = relative(r, full).map_or_else(dash, |x| format!("{x:.2}"));
         let speedup = full.map_or_else(dash, |f| format!("{:.2}×", f.secs() / r.secs()));
+        let gap = full
+            .filter(|f| !std::ptr::eq(*f, r))
+            .map_or_else(dash, |f| r.gap(f).show());
         println!(
-            "| {} | {} | {:.0} | {} | {:.1} | {rel} | {}/{} | {:.3} | {:.2} | {speedup} |",
+            "| {} | {} | {:.0} | {} | {:.1} | {rel} | {gap} | {}/{} | {:.3} | {:.2} | {speedup} |",
             r.task.name(),
             r.length,
             r.tokens(),
@@ -407,16 +431,19 @@ fn print_table(rows: &[Row], pooled: &[Pooled], spec: &RulerSpec, h: &Header) {
     }
     println!();
     println!(
-        "suite: score averaged over tasks (RULER's average); speed-up: total full prefill seconds \
-         over the method's"
+        "suite: score averaged over tasks (RULER's average); gap: the tasks' gaps averaged, \
+         their variances added; speed-up: total full prefill seconds over the method's"
     );
-    println!("| length | method | score | vs full | prefill FLOPs | prefill s | speed-up |");
-    println!("|---|---|---:|---:|---:|---:|---:|");
-    for p in pooled {
+    println!("| length | method | score | vs full | gap | prefill FLOPs | prefill s | speed-up |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    for (i, p) in pooled.iter().enumerate() {
         let length = p.length.map_or("all".to_string(), |l| l.to_string());
         let rel = p.relative.map_or_else(dash, |x| format!("{x:.2}"));
+        // Full's own gap is nothing: the first method of each scope.
+        let first = i == 0 || pooled[i - 1].length != p.length;
+        let gap = if first { dash() } else { p.gap.show() };
         println!(
-            "| {length} | {} | {:.1} | {rel} | {:.3} | {:.2} | {:.2}× |",
+            "| {length} | {} | {:.1} | {rel} | {gap} | {:.3} | {:.2} | {:.2}× |",
             p.method, p.score, p.flops, p.secs, p.speedup
         );
     }
