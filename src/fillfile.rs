@@ -182,6 +182,7 @@ pub fn configure(
             (None, _) if own_method => default_max_error(&file.meta, DEFAULT_SPAN_ERROR_RATIO),
             (None, _) => f64::INFINITY,
         },
+        retry_exact: choice.retry_exact,
         min_coverage: choice.min_coverage,
         resume_spans: choice.resume_spans,
         resume_min_attention: choice.resume_min_attention,
@@ -220,6 +221,8 @@ pub struct MethodChoice {
     /// Threshold of the self-check's reading over the spans alone (`None`: the file's default,
     /// or off with `max_error` infinite).
     pub max_span_error: Option<f64>,
+    /// Share of rows exact in a second fill after a failed self-check (0: every layer exactly).
+    pub retry_exact: f64,
     /// Coverage check: the least share of the question's attention to filled rows the spans
     /// must take (0: never checked).
     pub min_coverage: f64,

@@ -292,7 +292,7 @@ fn metric(text: &str, name: &str) -> f64 {
 /// the exact tail, the split and the self-check's error, in whole and streamed responses of both
 /// endpoints, and `/metrics` adds up the filled rows. With `--max-fill-error` (or
 /// `--max-span-error`) below any error the self-check falls back: nothing is filled, and the
-/// greedy answer is full prefill's exactly.
+/// greedy answer is full prefill's exactly; or, with `--retry-exact`, more rows run exactly.
 #[test]
 fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
     let dir = tempfile::tempdir().unwrap();
@@ -308,6 +308,8 @@ fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
         fill_s,
         "--max-fill-error",
         "1e-9",
+        "--retry-exact",
+        "off",
     ]);
     let body = json!({"prompt": text, "max_tokens": GREEDY_TOKENS, "temperature": 0});
     // Cold, as the fallback is: a reused prefix would cut the prompt into other chunks, whose
@@ -429,8 +431,10 @@ fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
     assert_eq!(metric(&m, "ridgefill_filled_requests_total"), 0.0);
     drop(strict);
 
-    // The second reading alone, over the spans, falls back the same way: its error is the fill
-    // server's, the first reading within its default limit.
+    // The second reading alone, over the spans, fails the same way: its error is the fill
+    // server's, the first reading within its default limit. With `--retry-exact` the prompt is
+    // then filled again with that share of its rows exact, not run exactly (the default
+    // quarter adds no span to this short prompt's minimum, so it would run exactly).
     let spans_strict = start(&[
         "--ctx",
         "1024",
@@ -438,17 +442,31 @@ fn serve_reports_the_fill_and_falls_back_on_its_self_check() {
         fill_s,
         "--max-span-error",
         "1e-9",
+        "--retry-exact",
+        "0.5",
     ]);
     let (status, r) = post(spans_strict.port, "/v1/completions", &body);
     assert_eq!(status, 200, "{r}");
     let rep = &r["usage"]["fill_report"];
-    assert_eq!(rep["fell_back"], true, "{r}");
+    assert_eq!(
+        (&rep["fell_back"], &rep["widened"]),
+        (&json!(false), &json!(true)),
+        "{r}"
+    );
     let strict_span = rep["self_check_span_error"].as_f64().unwrap();
     assert!(
         (strict_span - span_error).abs() <= 1e-4 * span_error,
         "{strict_span} vs {span_error}"
     );
-    assert_eq!(answer(&r), answer(&full), "spans' fallback vs full prefill");
+    let retried = rep["filled_rows"].as_u64().unwrap();
+    assert!(
+        retried > 0 && retried < filled,
+        "{retried} of the fill's {filled} rows: {r}"
+    );
+    assert_eq!(r["usage"]["fill"], true, "{r}");
+    let (_, _, m) = http(spans_strict.port, "GET", "/metrics", b"");
+    assert_eq!(metric(&m, "ridgefill_fill_retries_total"), 1.0);
+    assert_eq!(metric(&m, "ridgefill_fill_fallbacks_total"), 0.0);
 }
 
 /// `ridgefill info --export-tokenizer`: the tokenizer.json it writes, read back with the

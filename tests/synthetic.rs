@@ -397,6 +397,62 @@ fn a_failed_self_check_runs_the_prompt_exactly() {
     assert!(common::max_abs_diff(&full, &to_host_f32(f.logits)) > 1e-3);
 }
 
+/// With `retry_exact`, a failed self-check fills the prompt again with that share of its rows
+/// in spans: the same prefill as one run with that share from the start (the failed pass leaves
+/// nothing behind), reported as widened, not fallen back.
+#[test]
+fn a_failed_self_check_fills_again_with_more_rows_exact() {
+    common::init();
+    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
+    let model = gqa_model(4, true);
+    let ids = prompt(N + 1, model.config.vocab_size);
+    let maps = random_maps(&model, 2, 21);
+    let retry = FillRows {
+        max_error: 0.0,
+        retry_exact: 0.3,
+        ..spans_rows(4, 0.1, 4)
+    };
+    let mut cache = model.new_cache(N + 1);
+    let f = Prefill::run(
+        &model,
+        &ids[..N],
+        &mut cache,
+        FillOptions::fill(&maps, retry),
+    )
+    .unwrap();
+    assert!(f.report.widened && !f.report.fell_back, "{:?}", f.report);
+    assert!(f.report.error.is_some_and(|e| e > 0.0), "{:?}", f.report);
+
+    let direct = spans_rows(4, 0.3, 4);
+    let mut direct_cache = model.new_cache(N + 1);
+    let d = Prefill::run(
+        &model,
+        &ids[..N],
+        &mut direct_cache,
+        FillOptions::fill(&maps, direct),
+    )
+    .unwrap();
+    assert!(!d.report.widened && !d.report.fell_back);
+    assert_eq!(f.spans, d.spans);
+    assert_eq!(f.report.filled, d.report.filled);
+    let lax = Prefill::run(
+        &model,
+        &ids[..N],
+        &mut model.new_cache(N),
+        FillOptions::fill(&maps, spans_rows(4, 0.1, 4)),
+    )
+    .unwrap();
+    assert!(f.report.filled < lax.report.filled, "{:?}", f.report);
+    assert_eq!(
+        to_host_f32(f.logits),
+        to_host_f32(d.logits),
+        "retry vs direct"
+    );
+    let next = to_host_f32(model.decode_step(ids[N], &mut cache).unwrap());
+    let direct_next = to_host_f32(model.decode_step(ids[N], &mut direct_cache).unwrap());
+    assert_eq!(next, direct_next, "decode after the retry");
+}
+
 /// Prompt rows of the ladder tests: more than one prefill chunk.
 const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
 /// Layers of their model: the last one's own K/V projection is the exact deeper split.

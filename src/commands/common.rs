@@ -155,6 +155,10 @@ pub struct RowArgs {
     /// `off`: only the first reading. Default: 2.5 × the maps' held-out error (0.698 at split 15).
     #[arg(long, value_parser = parse_max_error)]
     pub max_span_error: Option<f64>,
+    /// After a failed self-check (no deeper file left), fill the prompt again with this share
+    /// of its rows in exact spans instead of running every layer exactly; `off`: every layer.
+    #[arg(long, value_parser = parse_retry, default_value_t = ridgefill::model::fill::DEFAULT_RETRY_EXACT)]
+    pub retry_exact: f64,
     /// Fill files at deeper splits of the same model, comma-separated, tried in turn when the
     /// self-check fails: the prompt runs exactly up to their split instead of every layer.
     #[arg(long, value_delimiter = ',')]
@@ -202,6 +206,7 @@ impl RowArgs {
             sentence_reach: self.sentence_reach,
             max_error: self.max_fill_error,
             max_span_error: self.max_span_error,
+            retry_exact: self.retry_exact,
             min_coverage: self
                 .min_coverage
                 .unwrap_or(ridgefill::model::fill::DEFAULT_MIN_COVERAGE),
@@ -221,6 +226,14 @@ pub fn parse_share(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
         _ => Err(format!("expected a share between 0 and 1, found {s:?}")),
+    }
+}
+
+/// A retry's share of exact rows, or `off` (0: every layer exactly).
+fn parse_retry(s: &str) -> std::result::Result<f64, String> {
+    match s {
+        "off" => Ok(0.0),
+        _ => parse_share(s),
     }
 }
 

@@ -478,6 +478,7 @@ pub fn fit_options(rows: &RowArgs, alpha: AlphaChoice) -> FitOptions {
             sentence_reach: rows.sentence_reach,
             max_error: rows.max_fill_error.unwrap_or(f64::INFINITY),
             max_span_error: rows.max_span_error.unwrap_or(f64::INFINITY),
+            retry_exact: rows.retry_exact,
             min_coverage: rows.min_coverage.unwrap_or(0.0),
             resume_spans: rows.resume_spans,
             resume_min_attention: rows.resume_min_attention,

@@ -244,7 +244,16 @@ fn describe_fill(r: &ridgefill::model::fill::FillReport, rows: &FillRows) -> Str
     let coverage = r
         .coverage
         .map_or_else(String::new, |c| format!(", span coverage {c:.2}"));
-    if r.fell_back {
+    if r.widened {
+        format!(
+            "{error} over the self-check's thresholds{coverage}: filled again with {:.0}% of rows \
+             exact (--retry-exact), filled {}/{} rows, tail {}",
+            rows.retry_exact * 100.0,
+            r.filled,
+            r.prompt,
+            r.tail
+        )
+    } else if r.fell_back {
         let (max, max_spans) = (rows.max_error, rows.max_span_error);
         format!(
             "{error} over the self-check's {max:.3} (--max-fill-error) or {max_spans:.3} on the spans (--max-span-error){coverage}: ran exactly"

@@ -196,6 +196,7 @@ fn load_modes<'a>(
         sentence_reach: ridgefill::model::fill::DEFAULT_SENTENCE_REACH,
         max_error: Some(f64::INFINITY),
         max_span_error: Some(f64::INFINITY),
+        retry_exact: 0.0,
         min_coverage: 0.0,
         resume_spans: a.resume_spans,
         // Random tokens ask nothing: a `ppN @ dD` fill row measures what a restore costs.

@@ -76,23 +76,35 @@ impl Runner {
     }
 
     /// [`Runner::flops_ratio`] of what a prefill ran: one whose self-check failed ran the upper
-    /// layers again, every row exactly, after its planned pass.
+    /// layers again after its planned pass, every row exactly or, widened, with
+    /// [`FillRows::retry_exact`] of its rows exact.
     pub fn flops_ratio_run(&self, cfg: &ModelConfig, n: usize, report: &FillReport) -> f64 {
         let planned = self.flops_ratio(cfg, n);
-        match report.fell_back {
-            true => planned + ridgefill::model::eval::upper_share(cfg, n, self.split),
-            false => planned,
+        let upper = ridgefill::model::eval::upper_share(cfg, n, self.split);
+        if report.fell_back {
+            planned + upper
+        } else if report.widened {
+            // The second pass's upper layers: its whole ratio less the lower layers' share.
+            let wide = self.flops_of(self.rows.widened(), cfg, n, false);
+            planned + wide - (1.0 - upper)
+        } else {
+            planned
         }
     }
 
     /// [`Runner::flops_ratio`], with sliding-window layers' unread rows filled too when
     /// `fill_unread` (what leaving them out saves).
     pub fn flops_ratio_with(&self, cfg: &ModelConfig, n: usize, fill_unread: bool) -> f64 {
+        self.flops_of(self.rows, cfg, n, fill_unread)
+    }
+
+    /// [`Runner::flops_ratio_with`] as if `rows` ran exactly.
+    fn flops_of(&self, rows: FillRows, cfg: &ModelConfig, n: usize, fill_unread: bool) -> f64 {
         let skip = match self.method {
             EvalMethod::Full => None,
             _ => Some(Skip {
                 split: self.split,
-                rows: self.rows,
+                rows,
                 filled: self.maps.is_some(),
                 adapt: self.maps.as_ref().is_some_and(|m| m.adapt.is_some()),
                 fill_unread,
@@ -222,6 +234,7 @@ pub fn report_json(r: &ridgefill::model::fill::FillReport) -> serde_json::Value 
         "coverage": r.coverage,
         "filled_attention": r.filled_attention,
         "fell_back": r.fell_back,
+        "widened": r.widened,
     })
 }
 

@@ -34,6 +34,9 @@ struct Inner {
     /// Completed requests whose fill failed its self-check (`--max-fill-error`) and ran every
     /// layer exactly.
     fill_fallbacks: u64,
+    /// Completed requests whose fill failed its self-check and was filled again with more rows
+    /// exact (`--retry-exact`).
+    fill_retries: u64,
     prefill_tokens: u64,
     prefill_seconds: f64,
     /// Prompt tokens taken from a cached prefix, and those prefilled, over every started request.
@@ -122,6 +125,7 @@ impl Metrics {
             if let Some(r) = report {
                 m.filled_rows += r.filled as u64;
                 m.fill_fallbacks += u64::from(r.fell_back);
+                m.fill_retries += u64::from(r.widened);
             }
         });
     }
@@ -190,6 +194,12 @@ impl Metrics {
             "counter",
             "Completed requests whose fill failed its self-check (--max-fill-error) and ran every layer exactly.",
             m.fill_fallbacks.to_string(),
+        );
+        metric(
+            "fill_retries_total",
+            "counter",
+            "Completed requests whose fill failed its self-check and was filled again with more rows exact (--retry-exact).",
+            m.fill_retries.to_string(),
         );
         metric(
             "settled_rows_total",

@@ -70,6 +70,12 @@ pub struct Adapt {
 
 /// Default share of the prompt's rows run exactly in chosen spans (the shipped method's budget).
 pub const DEFAULT_EXACT: f64 = 0.08;
+
+/// Default share of rows exact when a prompt that failed the self-check is filled again
+/// ([`FillRows::retry_exact`]). Chosen on RULER at 4096 tokens (docs/fidelity.md, runs E1, E2):
+/// the coded-word haystack that fails the check keeps full's words with a quarter of its rows
+/// exact (25.0 vs full's 20.8) at 1.15× where running every layer took 0.91×.
+pub const DEFAULT_RETRY_EXACT: f64 = 0.25;
 /// Default weight of one exact row against one calibration row in the per-prompt update.
 pub const DEFAULT_ADAPT_WEIGHT: f64 = 100.0;
 
@@ -216,6 +222,10 @@ pub struct FillRows {
     /// The self-check's second reading: the same error over the exact spans alone (when they
     /// hold at least [`SELF_CHECK_MIN_ROWS`] rows) above this also runs the bulk exactly.
     pub max_span_error: f64,
+    /// After a failed self-check (and no deeper maps left), a fresh prompt is filled again with
+    /// this share of its rows in exact spans instead of running every layer exactly; 0 (or no
+    /// more than `exact`): every layer exactly. Its first exact pass is spent either way.
+    pub retry_exact: f64,
     /// Coverage check: when the chosen spans take less than this share of the tail's attention
     /// to the filled bulk (the question reads the filled text broadly), a fresh prompt goes to
     /// the deeper split's maps, if any, before any upper layer runs (0: never).
@@ -246,6 +256,7 @@ impl Default for FillRows {
             sentence_reach: 0,
             max_error: f64::INFINITY,
             max_span_error: f64::INFINITY,
+            retry_exact: 0.0,
             min_coverage: 0.0,
             resume_spans: RESUME_MIN_SPANS,
             resume_min_attention: RESUME_MIN_ATTENTION,
@@ -313,6 +324,25 @@ impl FillRows {
             k => k.max(self.resume_spans),
         };
         spans * (2 * self.span + 1)
+    }
+
+    /// Whether a failed self-check on an `n`-row prompt fills it again with more exact rows
+    /// ([`FillRows::retry_exact`]): only where the wider budget covers more rows (a short
+    /// prompt's [`MIN_SPANS`] may cover as many) and leaves some filled.
+    pub fn retries(&self, n: usize) -> bool {
+        let wide = self.widened().exact_rows(n);
+        self.retry_exact < 1.0
+            && wide > self.exact_rows(n)
+            && self.bulk(n).is_some_and(|b| wide < b.len())
+    }
+
+    /// These rows with the retry's share of exact rows, and no retry after it.
+    pub fn widened(self) -> Self {
+        Self {
+            exact: self.retry_exact,
+            retry_exact: 0.0,
+            ..self
+        }
     }
 
     /// The most bulk rows the chosen spans can cover in an `n`-row prompt (fewer when they
@@ -529,6 +559,43 @@ pub(crate) fn check_split(model: &Decoder, split: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retry_needs_a_wider_budget_that_still_fills() {
+        let rows = FillRows {
+            exact: DEFAULT_EXACT,
+            retry_exact: DEFAULT_RETRY_EXACT,
+            ..FillRows::default()
+        };
+        // 4096 rows: 19 spans of 17 rows, then 60.
+        assert!(rows.retries(4096));
+        assert_eq!(rows.widened().exact_rows(4096), 60 * 17);
+        assert_eq!(rows.widened().retry_exact, 0.0);
+        // 367 rows: both budgets are the minimum of five spans.
+        assert!(!rows.retries(367));
+        // Off, or every bulk row exact: no retry.
+        assert!(
+            !FillRows {
+                retry_exact: 0.0,
+                ..rows
+            }
+            .retries(4096)
+        );
+        assert!(
+            !FillRows {
+                retry_exact: 1.0,
+                ..rows
+            }
+            .retries(4096)
+        );
+        assert!(
+            !FillRows {
+                retry_exact: 0.999,
+                ..rows
+            }
+            .retries(4096)
+        );
+    }
 
     #[test]
     fn span_budget_counts_rows() {

@@ -91,6 +91,9 @@ pub struct FillReport {
     pub filled_attention: Option<f64>,
     /// The self-check found the error above `max_error` and the bulk ran exactly after all.
     pub fell_back: bool,
+    /// The self-check failed and the prompt was filled again with more of its rows exact
+    /// ([`FillRows::retry_exact`](super::FillRows::retry_exact)); `error` is the failed reading.
+    pub widened: bool,
     /// The split whose maps filled (a deeper one when a shallower self-check failed); `None`
     /// when nothing was filled.
     pub split: Option<usize>,
@@ -408,6 +411,7 @@ impl<'a> Prefill<'a> {
                 self.report.coverage = upper.coverage;
                 self.report.filled_attention = upper.filled_attention;
                 self.report.fell_back = upper.split.is_none();
+                self.report.widened = upper.widened;
                 self.report.split = upper.split;
                 // Per position, whether its upper-layer K/V are now exact.
                 let mut exact: Vec<bool> = (0..n)

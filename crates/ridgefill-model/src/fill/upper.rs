@@ -54,14 +54,18 @@ pub(crate) struct Upper {
     pub restored_whole: bool,
     /// The split whose maps filled; `None`: every row ran every layer.
     pub split: Option<usize>,
+    /// The self-check failed and the prompt was filled again with
+    /// [`FillRows::retry_exact`] of its rows exact.
+    pub widened: bool,
 }
 
 /// Everything of a fill prefill after the layers below the split: the spans the tail rows'
 /// attention chooses (from `tail_in`, the tail entering the scoring layer), then the upper
 /// layers' exact pass and fill. When the exact rows show the maps' error above
 /// `rows.max_error` (or the spans alone above `rows.max_span_error`), the bulk runs exactly up
-/// to `maps.deeper`'s split and that fill is tried the same way; with no deeper maps left, the
-/// upper layers run with every row exact. A fresh prompt whose spans take less than
+/// to `maps.deeper`'s split and that fill is tried the same way; with no deeper maps left, a
+/// fresh prompt is filled again with `rows.retry_exact` of its rows in spans (when that is
+/// more than `rows.exact`), else the upper layers run with every row exact. A fresh prompt whose spans take less than
 /// `rows.min_coverage` of the tail's attention to the filled bulk goes to the deeper split,
 /// when there is one, before its exact pass here.
 ///
@@ -88,7 +92,7 @@ pub(crate) fn fill_upper(
     // A later prefill spends the budget of its new rows wherever its question points, earlier
     // turns' filled rows included (`FillRows::resume_budget`).
     let new = n - from;
-    let (spans, coverage, filled_attention) = if rows.span_count(new) > 0 {
+    let (spans, coverage, filled_attention, scores) = if rows.span_count(new) > 0 {
         let scores = tail_scores(model, scored, tail_in.clone(), cache, bulk.end)?;
         let share = filled_share(&scores, bulk.clone(), done);
         // A follow-up question that reads the earlier turns' filled rows little restores none.
@@ -108,9 +112,9 @@ pub(crate) fn fill_upper(
             rows.sentence_reach,
         );
         let coverage = span_coverage(&scores, bulk.clone(), done, &spans);
-        (spans, coverage, share)
+        (spans, coverage, share, Some(scores))
     } else {
-        (Vec::new(), None, None)
+        (Vec::new(), None, None, None)
     };
     // The sink and earlier rows are in the cache already; a fresh prompt runs its sink here.
     let exact: Vec<usize> = (from.min(bulk.start)..bulk.start)
@@ -145,6 +149,7 @@ pub(crate) fn fill_upper(
                 filled_attention,
                 restored_whole: whole,
                 split: Some(maps.split),
+                widened: false,
             });
         }
         check
@@ -155,6 +160,42 @@ pub(crate) fn fill_upper(
     (maps.split..layers).for_each(|l| cache.truncate_layer(l, from));
     let deeper = maps.deeper.as_deref().filter(|_| from == 0);
     let Some(deeper) = deeper else {
+        // A fresh prompt fills again with more of its rows exact, where its question points.
+        if let Some(scores) = scores.filter(|_| from == 0 && rows.retries(n)) {
+            let wide = rows.widened();
+            let spans = choose_new_spans(
+                &scores,
+                bulk.clone(),
+                done,
+                wide.exact_rows(n),
+                rows.span,
+                ends,
+                rows.sentence_reach,
+            );
+            let wide_rows: Vec<usize> = (0..bulk.start)
+                .chain(spans.iter().cloned().flatten())
+                .chain(bulk.end..n)
+                .collect();
+            let at = ExactRows {
+                at: &wide_rows,
+                sink: bulk.start,
+                from,
+                done,
+                bulk_end: bulk.end,
+                old_layers: upper,
+            };
+            let (h_last, _, whole) = exact_pass(model, maps, h_split, at, cache, oracle)?;
+            return Ok(Upper {
+                h_last,
+                coverage: span_coverage(&scores, bulk.clone(), done, &spans),
+                spans,
+                check,
+                filled_attention,
+                restored_whole: whole,
+                split: Some(maps.split),
+                widened: true,
+            });
+        }
         let new_rows = h_split.narrow(0, from, n - from);
         let h = run_exact(model, new_rows, maps.split..layers, cache, from)?;
         return Ok(Upper {
@@ -165,6 +206,7 @@ pub(crate) fn fill_upper(
             filled_attention,
             restored_whole: true,
             split: None,
+            widened: false,
         });
     };
     // Every row runs exactly up to the deeper split; its scoring layer's tail input is kept

@@ -43,7 +43,7 @@ pub fn usage(fs: &[Finish]) -> Value {
 
 /// The fill reports of a request's choices as one object: rows summed, the deepest split that
 /// filled, the largest self-check errors (every exact row, spans alone), the smallest span coverage, whether any prompt fell
-/// back to exact layers, and the rows earlier requests had filled that this one's spans ran
+/// back to exact layers or was filled again with more rows exact, and the rows earlier requests had filled that this one's spans ran
 /// exactly (prefix reuse) with the largest share of attention those filled rows drew.
 fn fill_report<'a>(reports: impl Iterator<Item = &'a FillReport>) -> Value {
     let rs: Vec<&FillReport> = reports.collect();
@@ -58,6 +58,7 @@ fn fill_report<'a>(reports: impl Iterator<Item = &'a FillReport>) -> Value {
         "self_check_span_error": rs.iter().filter_map(|r| r.error_spans).reduce(f64::max),
         "span_coverage": rs.iter().filter_map(|r| r.coverage).reduce(f64::min),
         "fell_back": rs.iter().any(|r| r.fell_back),
+        "widened": rs.iter().any(|r| r.widened),
         "restored_rows": rs.iter().map(|r| r.restored).sum::<usize>(),
         "filled_attention": rs.iter().filter_map(|r| r.filled_attention).reduce(f64::max),
     })
