@@ -5,8 +5,8 @@
 mod common;
 
 use ridgefill::io::checkpoint::Checkpoint;
-use ridgefill::model::Decoder;
-use ridgefill::model::fill::{self, FillMaps, FillOptions, FillRows, Oracle, Prefill};
+use ridgefill::model::fill::{self, FillMaps, FillOptions, FillRows, Filled, Oracle, Prefill};
+use ridgefill::model::{Decoder, KvCache};
 use ridgefill::model::{Device, FloatDType, Weight, WeightFormat, to_host_f32};
 use ridgefill_testkit::fill::{fill_logits, gqa_model, spans_rows, stand_in_precision};
 use ridgefill_testkit::reference::{Reference, max_abs_diff_f64};
@@ -355,26 +355,16 @@ fn fused_cpu_kernels_match_plain_burn_ops() {
 /// threshold keeps the fill; the report says which happened.
 #[test]
 fn a_failed_self_check_runs_the_prompt_exactly() {
-    common::init();
-    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
-    let model = gqa_model(4, true);
-    let ids = prompt(N + 1, model.config.vocab_size);
+    let (model, ids, maps) = self_check_fixture();
     let mut full_cache = model.new_cache(N + 1);
     let full = to_host_f32(model.prefill(&ids[..N], &mut full_cache).unwrap());
     let full_next = to_host_f32(model.decode_step(ids[N], &mut full_cache).unwrap());
-    let maps = random_maps(&model, 2, 21);
     let strict = FillRows {
         max_error: 0.0,
         ..spans_rows(4, 0.1, 4)
     };
     let mut cache = model.new_cache(N + 1);
-    let f = Prefill::run(
-        &model,
-        &ids[..N],
-        &mut cache,
-        FillOptions::fill(&maps, strict),
-    )
-    .unwrap();
+    let f = fill_into(&model, &maps, &ids[..N], strict, &mut cache);
     assert!(f.report.fell_back, "{:?}", f.report);
     assert_eq!((f.report.filled, f.report.prompt), (0, N));
     assert!(f.report.error.is_some_and(|e| e > 0.0), "{:?}", f.report);
@@ -384,13 +374,7 @@ fn a_failed_self_check_runs_the_prompt_exactly() {
     assert_eq!(next, full_next, "decode after the fallback");
 
     let lax = spans_rows(4, 0.1, 4);
-    let f = Prefill::run(
-        &model,
-        &ids[..N],
-        &mut model.new_cache(N),
-        FillOptions::fill(&maps, lax),
-    )
-    .unwrap();
+    let f = fill_into(&model, &maps, &ids[..N], lax, &mut model.new_cache(N));
     let spanned: usize = f.spans.iter().map(|s| s.len()).sum();
     assert!(!f.report.fell_back);
     assert_eq!(f.report.filled, N - 1 - 4 - spanned);
@@ -402,46 +386,30 @@ fn a_failed_self_check_runs_the_prompt_exactly() {
 /// nothing behind), reported as widened, not fallen back.
 #[test]
 fn a_failed_self_check_fills_again_with_more_rows_exact() {
-    common::init();
-    const N: usize = ridgefill::model::decoder::PREFILL_CHUNK + 70;
-    let model = gqa_model(4, true);
-    let ids = prompt(N + 1, model.config.vocab_size);
-    let maps = random_maps(&model, 2, 21);
+    let (model, ids, maps) = self_check_fixture();
     let retry = FillRows {
         max_error: 0.0,
         retry_exact: 0.3,
         ..spans_rows(4, 0.1, 4)
     };
     let mut cache = model.new_cache(N + 1);
-    let f = Prefill::run(
-        &model,
-        &ids[..N],
-        &mut cache,
-        FillOptions::fill(&maps, retry),
-    )
-    .unwrap();
+    let f = fill_into(&model, &maps, &ids[..N], retry, &mut cache);
     assert!(f.report.widened && !f.report.fell_back, "{:?}", f.report);
     assert!(f.report.error.is_some_and(|e| e > 0.0), "{:?}", f.report);
 
-    let direct = spans_rows(4, 0.3, 4);
     let mut direct_cache = model.new_cache(N + 1);
-    let d = Prefill::run(
+    let d = fill_into(
         &model,
+        &maps,
         &ids[..N],
+        spans_rows(4, 0.3, 4),
         &mut direct_cache,
-        FillOptions::fill(&maps, direct),
-    )
-    .unwrap();
+    );
     assert!(!d.report.widened && !d.report.fell_back);
     assert_eq!(f.spans, d.spans);
     assert_eq!(f.report.filled, d.report.filled);
-    let lax = Prefill::run(
-        &model,
-        &ids[..N],
-        &mut model.new_cache(N),
-        FillOptions::fill(&maps, spans_rows(4, 0.1, 4)),
-    )
-    .unwrap();
+    let lax = spans_rows(4, 0.1, 4);
+    let lax = fill_into(&model, &maps, &ids[..N], lax, &mut model.new_cache(N));
     assert!(f.report.filled < lax.report.filled, "{:?}", f.report);
     assert_eq!(
         to_host_f32(f.logits),
@@ -451,6 +419,27 @@ fn a_failed_self_check_fills_again_with_more_rows_exact() {
     let next = to_host_f32(model.decode_step(ids[N], &mut cache).unwrap());
     let direct_next = to_host_f32(model.decode_step(ids[N], &mut direct_cache).unwrap());
     assert_eq!(next, direct_next, "decode after the retry");
+}
+
+/// The self-check tests' model, an `N + 1`-token prompt (its last token decoded after the
+/// prefill) and random maps, whose error any threshold near 0 fails.
+fn self_check_fixture() -> (Decoder, Vec<u32>, FillMaps) {
+    common::init();
+    let model = gqa_model(4, true);
+    let ids = prompt(N + 1, model.config.vocab_size);
+    let maps = random_maps(&model, 2, 21);
+    (model, ids, maps)
+}
+
+/// A skip-and-fill prefill of `ids` into `cache` with `maps` and `rows`.
+fn fill_into(
+    model: &Decoder,
+    maps: &FillMaps,
+    ids: &[u32],
+    rows: FillRows,
+    cache: &mut KvCache,
+) -> Filled {
+    Prefill::run(model, ids, cache, FillOptions::fill(maps, rows)).unwrap()
 }
 
 /// Prompt rows of the ladder tests: more than one prefill chunk.
