@@ -139,9 +139,10 @@ mod tests {
         );
         assert_eq!(Gap::paired(&[1.0], &[0.0]).half, None);
         assert_eq!(Gap::paired(&[1.0], &[0.0]).show(), "+1.0");
+        // A mean is a gap over zero: [0.5, 0.75] as 1.0 − 0.5 and 1.25 − 0.5 (exact in binary).
         assert_eq!(
-            Gap::mean_of(&[0.5, 0.7]),
-            Gap::paired(&[0.7, 0.5], &[0.2, 0.0])
+            Gap::mean_of(&[0.5, 0.75]),
+            Gap::paired(&[1.0, 1.25], &[0.5, 0.5])
         );
     }
 
