@@ -308,7 +308,10 @@ fn eval_answers_compares_every_method_with_full_and_the_floor() {
     // The table: one row per method, the floor's, a column per kind of document.
     let (ok, stdout, stderr) = eval(&s, &args(false));
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("| full | 2/2 | 2/2 | 1.000 |"), "{stdout}");
+    assert!(
+        stdout.contains("| full | 2/2 | 2/2 | 1.000 ± 0.000 |"),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("| floor (full f32 vs native) |"),
         "{stdout}"
