@@ -118,6 +118,7 @@ pub(crate) fn split_fill_rope(
 }
 
 /// The rows an [`exact_pass`] runs, and where the cache stands.
+#[derive(Clone, Copy)]
 pub(crate) struct ExactRows<'a> {
     /// Positions, increasing: sink, chosen spans, tail.
     pub at: &'a [usize],

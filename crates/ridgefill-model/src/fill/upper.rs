@@ -116,11 +116,7 @@ pub(crate) fn fill_upper(
     } else {
         (Vec::new(), None, None, None)
     };
-    // The sink and earlier rows are in the cache already; a fresh prompt runs its sink here.
-    let exact: Vec<usize> = (from.min(bulk.start)..bulk.start)
-        .chain(spans.iter().cloned().flatten())
-        .chain(bulk.end..n)
-        .collect();
+    let exact = exact_positions(from, bulk, &spans, n);
     let upper = model.num_layers() - maps.split;
     let at = ExactRows {
         at: &exact,
@@ -172,17 +168,10 @@ pub(crate) fn fill_upper(
                 ends,
                 rows.sentence_reach,
             );
-            let wide_rows: Vec<usize> = (0..bulk.start)
-                .chain(spans.iter().cloned().flatten())
-                .chain(bulk.end..n)
-                .collect();
+            let wide_rows = exact_positions(from, bulk, &spans, n);
             let at = ExactRows {
                 at: &wide_rows,
-                sink: bulk.start,
-                from,
-                done,
-                bulk_end: bulk.end,
-                old_layers: upper,
+                ..at
             };
             let (h_last, _, whole) = exact_pass(model, maps, h_split, at, cache, oracle)?;
             return Ok(Upper {
@@ -221,6 +210,20 @@ pub(crate) fn fill_upper(
     let lowest = deep_scored.max(maps.split);
     let h_deeper = run_exact(model, h, lowest..deeper.split, cache, 0)?;
     fill_upper(model, deeper, plan, tail_in, h_deeper, cache, oracle)
+}
+
+/// The positions that run the upper layers exactly, increasing: the sink (the cache holds an
+/// earlier prefill's already), the chosen spans and the tail.
+fn exact_positions(
+    from: usize,
+    bulk: &Range<usize>,
+    spans: &[Range<usize>],
+    n: usize,
+) -> Vec<usize> {
+    (from.min(bulk.start)..bulk.start)
+        .chain(spans.iter().cloned().flatten())
+        .chain(bulk.end..n)
+        .collect()
 }
 
 /// Of the tail's attention (`scores`) on the bulk rows still filled before this prefill (`done`
