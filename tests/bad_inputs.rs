@@ -380,6 +380,18 @@ fn rows() -> Vec<Row> {
             &["expected a share between 0 and 1, found \"1.5\""],
         ),
         row(
+            "--retry-exact outside 0..1",
+            &["generate", "-p", "x", "--retry-exact", "1.5"],
+            USAGE,
+            &["expected a share between 0 and 1 or off, found \"1.5\""],
+        ),
+        row(
+            "--retry-exact neither a share nor off",
+            &["serve", "--retry-exact", "none"],
+            USAGE,
+            &["expected a share between 0 and 1 or off, found \"none\""],
+        ),
+        row(
             "--max-span-error not a positive number or off",
             &["generate", "-p", "x", "--max-span-error", "0"],
             USAGE,

@@ -233,7 +233,8 @@ pub fn parse_share(s: &str) -> std::result::Result<f64, String> {
 fn parse_retry(s: &str) -> std::result::Result<f64, String> {
     match s {
         "off" => Ok(0.0),
-        _ => parse_share(s),
+        _ => parse_share(s)
+            .map_err(|_| format!("expected a share between 0 and 1 or off, found {s:?}")),
     }
 }
 
