@@ -9,6 +9,7 @@
 //! as f16 (the fused path's cache), widened in registers. A few prefill rows over a long cache
 //! (a follow-up turn) go to [`block`]'s kernel.
 
+mod amx;
 mod avx2;
 mod block;
 

@@ -38,6 +38,8 @@ pub struct BlockScratch {
     s: Vec<f32>,
     /// Outputs transposed, before the division by the softmax sums: `[hd, lanes]`.
     ot: Vec<f32>,
+    /// The AMX kernel's, where it runs instead.
+    amx: super::amx::AmxScratch,
 }
 
 /// Whether the CPU runs [`group_block`] for head size `hd`.
@@ -83,6 +85,48 @@ pub unsafe fn group_block(
         o.len(),
         stats.len()
     );
+    if super::amx::usable(hd) {
+        // SAFETY: forwarded from the caller; `usable` checked the CPU and `hd`.
+        unsafe {
+            super::amx::group_block(
+                q,
+                hd,
+                live,
+                ks,
+                k_row,
+                vs,
+                v_row,
+                scale,
+                &mut buf.amx,
+                o,
+                stats,
+            )
+        };
+        return;
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { f32_block(q, hd, live, ks, k_row, vs, v_row, scale, buf, o, stats) }
+}
+
+/// [`group_block`] on the AVX-512 FMA units, whatever [`super::amx::usable`] says.
+///
+/// # Safety
+/// As [`group_block`].
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn f32_block(
+    q: &[f32],
+    hd: usize,
+    live: &[usize],
+    ks: *const f32,
+    k_row: usize,
+    vs: *const f32,
+    v_row: usize,
+    scale: f32,
+    buf: &mut BlockScratch,
+    o: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let m = live.len();
     let args = (q, hd, live, ks, k_row, vs, v_row, scale, buf, o, stats);
     // SAFETY: forwarded from the caller; row counts checked above.
     unsafe {
@@ -119,29 +163,15 @@ unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>(
     let lanes = NV * W;
     let m = live.len();
     let n = live.iter().copied().max().unwrap_or(0);
-    let seen_by_all = live.iter().copied().min().unwrap_or(0);
-    // Padding lanes: zero queries that see every key (finite, never read back).
-    buf.qt.clear();
-    buf.qt.resize(hd * lanes, 0.0);
-    for r in 0..m {
-        for d in 0..hd {
-            buf.qt[d * lanes + r] = scale * q[r * hd + d];
-        }
-    }
+    transposed_queries(q, hd, m, lanes, scale, &mut buf.qt);
     buf.s.resize(n * lanes, 0.0);
     buf.ot.clear();
     buf.ot.resize(hd * lanes, 0.0);
     let (qt, s, ot) = (buf.qt.as_ptr(), buf.s.as_mut_ptr(), buf.ot.as_mut_ptr());
     let row_bytes = hd * size_of::<f32>();
-    let mut seen = [0i32; BLOCK_ROWS_MAX];
-    for (r, x) in seen.iter_mut().enumerate().take(lanes) {
-        *x = live.get(r).copied().unwrap_or(n) as i32;
-    }
     // SAFETY: qt holds hd·lanes, s n·lanes, ot hd·lanes floats; keys and values j < n are
-    // readable (caller); `seen` holds BLOCK_ROWS_MAX ≥ lanes counts.
+    // readable (caller).
     unsafe {
-        let seen: [__m512i; NV] =
-            std::array::from_fn(|v| _mm512_loadu_si512(seen.as_ptr().add(v * W) as *const _));
         // Scores, KEYS keys at a time: s[j] = Σ_d K[j, d] · qt[d].
         let mut j0 = 0;
         while j0 < n {
@@ -182,32 +212,7 @@ unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>(
             }
             j0 += count;
         }
-        // Softmax down the keys, lane by lane; keys a row does not see weigh 0.
-        let hidden = |j: usize, v: usize| -> __mmask16 {
-            if j < seen_by_all {
-                0
-            } else {
-                !_mm512_cmpgt_epi32_mask(seen[v], _mm512_set1_epi32(j as i32))
-            }
-        };
-        let mut top = [_mm512_set1_ps(f32::NEG_INFINITY); NV];
-        for j in 0..n {
-            for (v, t) in top.iter_mut().enumerate() {
-                let x = _mm512_loadu_ps(s.add(j * lanes + v * W));
-                let x = _mm512_mask_mov_ps(x, hidden(j, v), _mm512_set1_ps(f32::NEG_INFINITY));
-                *t = _mm512_max_ps(*t, x);
-            }
-        }
-        let mut sum = [_mm512_setzero_ps(); NV];
-        for j in 0..n {
-            for v in 0..NV {
-                let at = s.add(j * lanes + v * W);
-                let p = exp512(_mm512_sub_ps(_mm512_loadu_ps(at), top[v]));
-                let p = _mm512_maskz_mov_ps(!hidden(j, v), p);
-                sum[v] = _mm512_add_ps(sum[v], p);
-                _mm512_storeu_ps(at, p);
-            }
-        }
+        let (top, sum) = softmax_keys::<NV>(s, n, lanes, live);
         // Weighted values, a block of keys at a time, DIMS columns per pass over the block:
         // ot[d] += Σ_j V[j, d] · s[j].
         let mut j0 = 0;
@@ -250,6 +255,80 @@ unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>(
                 o[r * hd + d] = *ot.add(d * lanes + r);
             }
         }
+    }
+}
+
+/// `qt[d, r] = scale · q[r, d]` for `lanes` columns, the padding lanes `m..` zero queries
+/// (finite scores, never read back).
+///
+/// # Shapes
+/// - q: `[m, hd]`; qt: `[hd, lanes]`
+pub(super) fn transposed_queries(
+    q: &[f32],
+    hd: usize,
+    m: usize,
+    lanes: usize,
+    scale: f32,
+    qt: &mut Vec<f32>,
+) {
+    qt.clear();
+    qt.resize(hd * lanes, 0.0);
+    for r in 0..m {
+        for d in 0..hd {
+            qt[d * lanes + r] = scale * q[r * hd + d];
+        }
+    }
+}
+
+/// The softmax down keys `0..n` of scores kept keys × `lanes` at `s`, lane by lane, in place:
+/// `s[j, r] = e^(s[j, r] − top[r])`, 0 for keys row `r` does not see (`j ≥ live[r]`; padding
+/// lanes see every key). Returns each lane's largest score and sum.
+///
+/// # Safety
+/// `s` holds `n · lanes` floats; `lanes = NV · 16 ≥ live.len()`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn softmax_keys<const NV: usize>(
+    s: *mut f32,
+    n: usize,
+    lanes: usize,
+    live: &[usize],
+) -> ([__m512; NV], [__m512; NV]) {
+    let seen_by_all = live.iter().copied().min().unwrap_or(0);
+    let mut seen = [0i32; BLOCK_ROWS_MAX];
+    for (r, x) in seen.iter_mut().enumerate().take(lanes) {
+        *x = live.get(r).copied().unwrap_or(n) as i32;
+    }
+    // SAFETY: the caller's contract; `seen` holds BLOCK_ROWS_MAX ≥ lanes counts.
+    unsafe {
+        let seen: [__m512i; NV] =
+            std::array::from_fn(|v| _mm512_loadu_si512(seen.as_ptr().add(v * W) as *const _));
+        // Softmax down the keys, lane by lane; keys a row does not see weigh 0.
+        let hidden = |j: usize, v: usize| -> __mmask16 {
+            if j < seen_by_all {
+                0
+            } else {
+                !_mm512_cmpgt_epi32_mask(seen[v], _mm512_set1_epi32(j as i32))
+            }
+        };
+        let mut top = [_mm512_set1_ps(f32::NEG_INFINITY); NV];
+        for j in 0..n {
+            for (v, t) in top.iter_mut().enumerate() {
+                let x = _mm512_loadu_ps(s.add(j * lanes + v * W));
+                let x = _mm512_mask_mov_ps(x, hidden(j, v), _mm512_set1_ps(f32::NEG_INFINITY));
+                *t = _mm512_max_ps(*t, x);
+            }
+        }
+        let mut sum = [_mm512_setzero_ps(); NV];
+        for j in 0..n {
+            for v in 0..NV {
+                let at = s.add(j * lanes + v * W);
+                let p = exp512(_mm512_sub_ps(_mm512_loadu_ps(at), top[v]));
+                let p = _mm512_maskz_mov_ps(!hidden(j, v), p);
+                sum[v] = _mm512_add_ps(sum[v], p);
+                _mm512_storeu_ps(at, p);
+            }
+        }
+        (top, sum)
     }
 }
 
