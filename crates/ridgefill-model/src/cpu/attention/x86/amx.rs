@@ -20,7 +20,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::block::{softmax_keys, transposed_queries};
+use super::block::softmax_keys;
 use super::prefetch_bytes;
 
 /// f32 lanes per vector, rows per tile, and dword columns per tile row.
@@ -115,11 +115,9 @@ impl Lines {
 /// The kernel's buffers, kept per thread across calls.
 #[derive(Default)]
 pub struct AmxScratch {
-    /// Queries transposed and scaled: `[hd, lanes]` f32.
-    qt: Vec<f32>,
     /// Qᵀ as B tiles: `[hd / 32][row tile][head, remainder]`, a tile each.
     qb: Lines,
-    /// One block of 16 keys as A tiles: `[hd / 32][head, remainder][16 keys][32 bf16]`.
+    /// K as A tiles: `[key blocks of 16][hd / 32][head, remainder][16 keys][32 bf16]`.
     kb: Lines,
     /// Scores, then softmax weights: `[keys rounded up to 32, lanes]` f32.
     s: Lines,
@@ -250,12 +248,11 @@ unsafe fn run<const NV: usize>(
     let n = live.iter().copied().max().unwrap_or(0);
     let padded = n.next_multiple_of(DEPTH);
     let depth_tiles = hd / DEPTH;
-    transposed_queries(q, hd, m, lanes, scale, &mut buf.qt);
     // Every element of these is written below before it is read: no zeroing.
     let pairs = padded / DEPTH;
     let tile_bytes = TILE * size_of::<u32>();
     let qb = buf.qb.room(depth_tiles * NV * 2 * tile_bytes) as *mut u32;
-    let kb = buf.kb.room(depth_tiles * 2 * tile_bytes) as *mut u16;
+    let kb = buf.kb.room(n.div_ceil(W) * depth_tiles * 2 * tile_bytes) as *mut u16;
     let s = buf.s.room(padded * lanes * size_of::<f32>()) as *mut f32;
     let pa = buf.pa.room(pairs * NV * 2 * tile_bytes) as *mut u32;
     let vb = buf.vb.room(pairs * (hd / W) * 2 * tile_bytes) as *mut u32;
@@ -267,34 +264,39 @@ unsafe fn run<const NV: usize>(
     // returning.
     unsafe {
         // Qᵀ tiles: row i of tile (t, r) pairs dimensions 32t + i and 32t + 16 + i of rows
-        // 16r..16r+16 (K rows are paired alike).
-        let qt = buf.qt.as_ptr();
+        // 16r..16r+16 (K rows are paired alike): each row's pairs, transposed.
+        let scale = _mm512_set1_ps(scale);
         for t in 0..depth_tiles {
             for r in 0..NV {
+                let mut hi = [_mm512_setzero_si512(); W];
+                let mut lo = [_mm512_setzero_si512(); W];
+                for u in 0..W.min(m.saturating_sub(r * W)) {
+                    let row = q.as_ptr().add((r * W + u) * hd + t * DEPTH);
+                    let a = _mm512_mul_ps(scale, _mm512_loadu_ps(row));
+                    let b = _mm512_mul_ps(scale, _mm512_loadu_ps(row.add(W)));
+                    (hi[u], lo[u]) = pair_vectors(a, b);
+                }
+                transpose16(&mut hi);
+                transpose16(&mut lo);
                 let tile = qb.add(((t * NV + r) * 2) * TILE);
                 for i in 0..W {
-                    let d = t * DEPTH + i;
-                    let (hi, lo) =
-                        pair_rows(qt.add(d * lanes + r * W), qt.add((d + W) * lanes + r * W));
-                    _mm512_storeu_si512(tile.add(i * W) as *mut _, hi);
-                    _mm512_storeu_si512(tile.add(TILE + i * W) as *mut _, lo);
+                    _mm512_storeu_si512(tile.add(i * W) as *mut _, hi[i]);
+                    _mm512_storeu_si512(tile.add(TILE + i * W) as *mut _, lo[i]);
                 }
             }
         }
-        asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
-        // Scores Sᵀ = K·Qᵀ, 16 keys a pass: s[j, lanes] for keys j0..j0+16.
-        let stride_s = lanes * size_of::<f32>();
-        let mut j0 = 0;
-        while j0 < n {
-            let count = W.min(n - j0);
+        // K as A tiles, every block of 16 keys before any product: one stream from memory.
+        let blocks = n.div_ceil(W);
+        for blk in 0..blocks {
+            let j0 = blk * W;
             for u in 0..W {
                 let j = j0 + PREFETCH_KEYS + u;
                 prefetch_bytes(ks.wrapping_add(j * k_row) as *const i8, row_bytes);
             }
             for t in 0..depth_tiles {
-                let at = kb.add(t * 2 * W * DEPTH);
+                let at = kb.add((blk * depth_tiles + t) * 2 * W * DEPTH);
                 for u in 0..W {
-                    let (hi, lo) = if u < count {
+                    let (hi, lo) = if j0 + u < n {
                         split_row32(ks.add((j0 + u) * k_row + t * DEPTH))
                     } else {
                         (_mm512_setzero_si512(), _mm512_setzero_si512())
@@ -303,6 +305,11 @@ unsafe fn run<const NV: usize>(
                     _mm512_storeu_si512(at.add((W + u) * DEPTH) as *mut _, lo);
                 }
             }
+        }
+        asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
+        // Scores Sᵀ = K·Qᵀ, 16 keys a pass: s[j, lanes] for keys j0..j0+16.
+        let stride_s = lanes * size_of::<f32>();
+        for blk in 0..blocks {
             macro_rules! zero_out {
                 ($c:literal, $r:expr) => {
                     tile!(zero $c)
@@ -310,7 +317,7 @@ unsafe fn run<const NV: usize>(
             }
             each_out!(NV, zero_out);
             for t in 0..depth_tiles {
-                let k_hi = kb.add(t * 2 * W * DEPTH);
+                let k_hi = kb.add((blk * depth_tiles + t) * 2 * W * DEPTH);
                 let k_lo = k_hi.add(W * DEPTH);
                 tile!(load 4, k_hi, TILE_ROW);
                 tile!(load 5, k_lo, TILE_ROW);
@@ -328,11 +335,10 @@ unsafe fn run<const NV: usize>(
             }
             macro_rules! store_scores {
                 ($c:literal, $r:expr) => {
-                    tile!(store $c, s.add(j0 * lanes + $r * W), stride_s)
+                    tile!(store $c, s.add(blk * W * lanes + $r * W), stride_s)
                 };
             }
             each_out!(NV, store_scores);
-            j0 += count;
         }
         let (top, sum) = softmax_keys::<NV>(s, n, lanes, live);
         // Pad keys n..padded weigh nothing (their scores were zeros, not −∞).

@@ -263,14 +263,7 @@ unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>(
 ///
 /// # Shapes
 /// - q: `[m, hd]`; qt: `[hd, lanes]`
-pub(super) fn transposed_queries(
-    q: &[f32],
-    hd: usize,
-    m: usize,
-    lanes: usize,
-    scale: f32,
-    qt: &mut Vec<f32>,
-) {
+fn transposed_queries(q: &[f32], hd: usize, m: usize, lanes: usize, scale: f32, qt: &mut Vec<f32>) {
     qt.clear();
     qt.resize(hd * lanes, 0.0);
     for r in 0..m {
