@@ -460,14 +460,16 @@ pub fn attention_many(items: Vec<AttnItem>) -> Tensor<2> {
             // head hg lie inside their tensors (the caller's shapes; `blocked` checked the strides).
             unsafe {
                 x86::group_block(
-                    &buf.q,
-                    hd,
-                    &buf.live,
-                    ks.as_ptr().add(hg * k_head + lo * k_row as usize),
-                    k_row as usize,
-                    vs.as_ptr().add(hg * v_head + lo * v_row as usize),
-                    v_row as usize,
-                    scale,
+                    x86::BlockIn {
+                        q: &buf.q,
+                        hd,
+                        live: &buf.live,
+                        ks: ks.as_ptr().add(hg * k_head + lo * k_row as usize),
+                        k_row: k_row as usize,
+                        vs: vs.as_ptr().add(hg * v_head + lo * v_row as usize),
+                        v_row: v_row as usize,
+                        scale,
+                    },
                     &mut buf.block,
                     &mut buf.o,
                     &mut buf.stats,

@@ -13,7 +13,7 @@ mod amx;
 mod avx2;
 mod block;
 
-pub use block::{BLOCK_ROWS_MAX, BlockScratch, available as block_available, group_block};
+pub use block::{BLOCK_ROWS_MAX, BlockIn, BlockScratch, available as block_available, group_block};
 
 use std::arch::x86_64::*;
 

@@ -42,6 +42,23 @@ pub struct BlockScratch {
     amx: super::amx::AmxScratch,
 }
 
+/// One call's inputs: stacked query rows over one chunk of keys.
+#[derive(Clone, Copy)]
+pub struct BlockIn<'a> {
+    /// Stacked query rows, `[m, hd]` row-major.
+    pub q: &'a [f32],
+    pub hd: usize,
+    /// Keys each row sees, `[m]`.
+    pub live: &'a [usize],
+    /// Key `j` at `ks + j·k_row`, value `j` at `vs + j·v_row`, `hd` f32s each.
+    pub ks: *const f32,
+    pub k_row: usize,
+    pub vs: *const f32,
+    pub v_row: usize,
+    /// Multiplies every score.
+    pub scale: f32,
+}
+
 /// Whether the CPU runs [`group_block`] for head size `hd`.
 pub fn available(hd: usize) -> bool {
     hd > 0
@@ -60,21 +77,13 @@ pub fn available(hd: usize) -> bool {
 /// # Safety
 /// [`available`]`(hd)`; keys `j < max(live)` are at `ks + j·k_row` and values at
 /// `vs + j·v_row`, `hd` readable f32s each.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn group_block(
-    q: &[f32],
-    hd: usize,
-    live: &[usize],
-    ks: *const f32,
-    k_row: usize,
-    vs: *const f32,
-    v_row: usize,
-    scale: f32,
+    x: BlockIn,
     buf: &mut BlockScratch,
     o: &mut [f32],
     stats: &mut [(f32, f32)],
 ) {
-    let m = live.len();
+    let (q, hd, m) = (x.q, x.hd, x.live.len());
     assert!(
         (1..=BLOCK_ROWS_MAX).contains(&m)
             && q.len() == m * hd
@@ -87,47 +96,25 @@ pub unsafe fn group_block(
     );
     if super::amx::usable(hd) {
         // SAFETY: forwarded from the caller; `usable` checked the CPU and `hd`.
-        unsafe {
-            super::amx::group_block(
-                q,
-                hd,
-                live,
-                ks,
-                k_row,
-                vs,
-                v_row,
-                scale,
-                &mut buf.amx,
-                o,
-                stats,
-            )
-        };
+        unsafe { super::amx::group_block(x, &mut buf.amx, o, stats) };
         return;
     }
     // SAFETY: forwarded from the caller.
-    unsafe { f32_block(q, hd, live, ks, k_row, vs, v_row, scale, buf, o, stats) }
+    unsafe { f32_block(x, buf, o, stats) }
 }
 
 /// [`group_block`] on the AVX-512 FMA units, whatever [`super::amx::usable`] says.
 ///
 /// # Safety
 /// As [`group_block`].
-#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn f32_block(
-    q: &[f32],
-    hd: usize,
-    live: &[usize],
-    ks: *const f32,
-    k_row: usize,
-    vs: *const f32,
-    v_row: usize,
-    scale: f32,
+    x: BlockIn,
     buf: &mut BlockScratch,
     o: &mut [f32],
     stats: &mut [(f32, f32)],
 ) {
-    let m = live.len();
-    let args = (q, hd, live, ks, k_row, vs, v_row, scale, buf, o, stats);
+    let m = x.live.len();
+    let args = (x, buf, o, stats);
     // SAFETY: forwarded from the caller; row counts checked above.
     unsafe {
         match m.div_ceil(W) {
@@ -141,14 +128,7 @@ pub(super) unsafe fn f32_block(
 
 /// [`group_block`]'s arguments, in order.
 type Args<'a> = (
-    &'a [f32],
-    usize,
-    &'a [usize],
-    *const f32,
-    usize,
-    *const f32,
-    usize,
-    f32,
+    BlockIn<'a>,
     &'a mut BlockScratch,
     &'a mut [f32],
     &'a mut [(f32, f32)],
@@ -157,9 +137,17 @@ type Args<'a> = (
 /// [`group_block`] with `NV` vectors of rows, `KEYS` keys scored per pass and `DIMS` value
 /// columns weighted per pass (`KEYS·NV` and `DIMS·NV` accumulators, of 32 registers).
 #[target_feature(enable = "avx512f")]
-unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>(
-    (q, hd, live, ks, k_row, vs, v_row, scale, buf, o, stats): Args,
-) {
+unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>((x, buf, o, stats): Args) {
+    let BlockIn {
+        q,
+        hd,
+        live,
+        ks,
+        k_row,
+        vs,
+        v_row,
+        scale,
+    } = x;
     let lanes = NV * W;
     let m = live.len();
     let n = live.iter().copied().max().unwrap_or(0);
