@@ -13,7 +13,7 @@ mod amx;
 mod avx2;
 mod block;
 
-pub use block::{BLOCK_ROWS_MAX, BlockIn, BlockScratch, available as block_available, group_block};
+pub use block::{BLOCK_ROWS_MAX, BlockIn, available as block_available};
 
 use std::arch::x86_64::*;
 
@@ -83,6 +83,53 @@ pub fn available(hd: usize) -> bool {
         }
         Width::Avx2 => avx2::available(hd),
         Width::Scalar => false,
+    }
+}
+
+/// The block kernels' buffers (the f32 one's and the AMX one's), kept per thread across calls.
+#[derive(Default)]
+pub struct BlockScratch {
+    f32: block::F32Scratch,
+    amx: amx::AmxScratch,
+}
+
+/// One key range's softmax part for stacked query rows `r` (as [`group_part`]):
+/// `stats[r] = (m, l)` with `m` the largest of the scores `s_j = scale · q_r·k_j` over the keys
+/// `j < live[r]` the row sees and `l = Σ_j e^(s_j − m)`, and `o[r] = Σ_j e^(s_j − m) v_j`. A
+/// row that sees no key gets `(−∞, 0)` and zeros. On AMX tiles where the CPU has them
+/// ([`amx`]), else on the AVX-512 FMA units ([`block`]); either way a row's result does not
+/// depend on the rows sharing its block.
+///
+/// # Shapes
+/// - q, o: `[m, hd]` row-major; live, stats: `[m]`, m ≤ [`BLOCK_ROWS_MAX`]
+///
+/// # Safety
+/// [`block_available`]`(hd)`; keys `j < max(live)` are at `ks + j·k_row` and values at
+/// `vs + j·v_row`, `hd` readable f32s each.
+pub unsafe fn group_block(
+    x: BlockIn,
+    buf: &mut BlockScratch,
+    o: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let (q, hd, m) = (x.q, x.hd, x.live.len());
+    assert!(
+        (1..=BLOCK_ROWS_MAX).contains(&m)
+            && q.len() == m * hd
+            && o.len() == m * hd
+            && stats.len() == m,
+        "group_block: {m} rows of {hd} (q {}, o {}, stats {})",
+        q.len(),
+        o.len(),
+        stats.len()
+    );
+    // SAFETY: forwarded from the caller; `usable` checked the CPU (AMX) and `hd`.
+    unsafe {
+        if amx::usable(hd) {
+            amx::group_block(x, &mut buf.amx, o, stats)
+        } else {
+            block::f32_block(x, &mut buf.f32, o, stats)
+        }
     }
 }
 

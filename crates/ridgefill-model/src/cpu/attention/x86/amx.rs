@@ -208,7 +208,7 @@ macro_rules! each_out {
     };
 }
 
-/// [`super::block::group_block`] on AMX tiles; the arguments and results are its.
+/// [`super::group_block`] on AMX tiles; the arguments and results are its.
 ///
 /// # Shapes
 /// - q, o: `[m, hd]` row-major; live, stats: `[m]`, m ≤ [`super::BLOCK_ROWS_MAX`]
@@ -567,12 +567,7 @@ mod tests {
                     if amx {
                         group_block(x, &mut AmxScratch::default(), &mut o, &mut stats);
                     } else {
-                        block::f32_block(
-                            x,
-                            &mut block::BlockScratch::default(),
-                            &mut o,
-                            &mut stats,
-                        );
+                        block::f32_block(x, &mut block::F32Scratch::default(), &mut o, &mut stats);
                     }
                 }
                 (o, stats)

@@ -31,15 +31,13 @@ const PREFETCH_KEYS: usize = 32;
 
 /// The kernel's buffers, kept per thread across calls.
 #[derive(Default)]
-pub struct BlockScratch {
+pub struct F32Scratch {
     /// Queries transposed and scaled: `[hd, lanes]`.
     qt: Vec<f32>,
     /// Scores, then softmax weights: `[keys, lanes]`.
     s: Vec<f32>,
     /// Outputs transposed, before the division by the softmax sums: `[hd, lanes]`.
     ot: Vec<f32>,
-    /// The AMX kernel's, where it runs instead.
-    amx: super::amx::AmxScratch,
 }
 
 /// One call's inputs: stacked query rows over one chunk of keys.
@@ -59,63 +57,21 @@ pub struct BlockIn<'a> {
     pub scale: f32,
 }
 
-/// Whether the CPU runs [`group_block`] for head size `hd`.
+/// Whether the CPU runs [`f32_block`] for head size `hd`.
 pub fn available(hd: usize) -> bool {
     hd > 0
         && hd.is_multiple_of(W)
         && crate::cpu::simd::Width::current() == crate::cpu::simd::Width::Avx512
 }
 
-/// One key range's softmax part for stacked query rows `r` (as [`super::group_part`]):
-/// `stats[r] = (m, l)` with `m` the largest of the scores `s_j = scale · q_r·k_j` over the keys
-/// `j < live[r]` the row sees and `l = Σ_j e^(s_j − m)`, and `o[r] = Σ_j e^(s_j − m) v_j`. A
-/// row that sees no key gets `(−∞, 0)` and zeros.
-///
-/// # Shapes
-/// - q, o: `[m, hd]` row-major; live, stats: `[m]`, m ≤ [`BLOCK_ROWS_MAX`]
+/// [`super::group_block`] on the AVX-512 FMA units.
 ///
 /// # Safety
-/// [`available`]`(hd)`; keys `j < max(live)` are at `ks + j·k_row` and values at
-/// `vs + j·v_row`, `hd` readable f32s each.
-pub unsafe fn group_block(
-    x: BlockIn,
-    buf: &mut BlockScratch,
-    o: &mut [f32],
-    stats: &mut [(f32, f32)],
-) {
-    let (q, hd, m) = (x.q, x.hd, x.live.len());
-    assert!(
-        (1..=BLOCK_ROWS_MAX).contains(&m)
-            && q.len() == m * hd
-            && o.len() == m * hd
-            && stats.len() == m,
-        "group_block: {m} rows of {hd} (q {}, o {}, stats {})",
-        q.len(),
-        o.len(),
-        stats.len()
-    );
-    if super::amx::usable(hd) {
-        // SAFETY: forwarded from the caller; `usable` checked the CPU and `hd`.
-        unsafe { super::amx::group_block(x, &mut buf.amx, o, stats) };
-        return;
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { f32_block(x, buf, o, stats) }
-}
-
-/// [`group_block`] on the AVX-512 FMA units, whatever [`super::amx::usable`] says.
-///
-/// # Safety
-/// As [`group_block`].
-pub(super) unsafe fn f32_block(
-    x: BlockIn,
-    buf: &mut BlockScratch,
-    o: &mut [f32],
-    stats: &mut [(f32, f32)],
-) {
+/// As [`super::group_block`], with [`available`]`(hd)`.
+pub unsafe fn f32_block(x: BlockIn, buf: &mut F32Scratch, o: &mut [f32], stats: &mut [(f32, f32)]) {
     let m = x.live.len();
     let args = (x, buf, o, stats);
-    // SAFETY: forwarded from the caller; row counts checked above.
+    // SAFETY: forwarded from the caller, who checked the row counts.
     unsafe {
         match m.div_ceil(W) {
             1 => run::<1, 24, 16>(args),
@@ -126,15 +82,15 @@ pub(super) unsafe fn f32_block(
     }
 }
 
-/// [`group_block`]'s arguments, in order.
+/// [`f32_block`]'s arguments, in order.
 type Args<'a> = (
     BlockIn<'a>,
-    &'a mut BlockScratch,
+    &'a mut F32Scratch,
     &'a mut [f32],
     &'a mut [(f32, f32)],
 );
 
-/// [`group_block`] with `NV` vectors of rows, `KEYS` keys scored per pass and `DIMS` value
+/// [`f32_block`] with `NV` vectors of rows, `KEYS` keys scored per pass and `DIMS` value
 /// columns weighted per pass (`KEYS·NV` and `DIMS·NV` accumulators, of 32 registers).
 #[target_feature(enable = "avx512f")]
 unsafe fn run<const NV: usize, const KEYS: usize, const DIMS: usize>((x, buf, o, stats): Args) {
