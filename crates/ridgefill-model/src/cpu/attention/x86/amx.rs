@@ -601,6 +601,61 @@ mod tests {
         }
     }
 
+    /// The reused = cold guarantee's part here: a row's results are the same bits whatever rows
+    /// share its block (a follow-up's few rows, or a whole prompt's block of 64).
+    #[test]
+    fn a_rows_parts_do_not_depend_on_its_block_mates() {
+        if !cpu_ready(64) {
+            eprintln!("no AMX here: the kernel is not run");
+            return;
+        }
+        let (m, n, hd) = (57, 300, 64);
+        let vals = |len: usize, salt: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * 7919 + salt * 104_729) % 2001) as f32 / 1000.0 - 1.0)
+                .collect()
+        };
+        let (q, k, v) = (vals(m * hd, 1), vals(n * hd, 2), vals(n * hd, 3));
+        let live: Vec<usize> = (0..m).map(|r| n - (m - 1 - r)).collect();
+        let run = |rows: std::ops::Range<usize>| {
+            let x = BlockIn {
+                q: &q[rows.start * hd..rows.end * hd],
+                hd,
+                live: &live[rows.clone()],
+                ks: k.as_ptr(),
+                k_row: hd,
+                vs: v.as_ptr(),
+                v_row: hd,
+                scale: 0.125,
+            };
+            let mut o = vec![0f32; rows.len() * hd];
+            let mut stats = vec![(0f32, 0f32); rows.len()];
+            // SAFETY: AMX and AVX-512 checked by `cpu_ready`; k and v hold n rows of hd.
+            unsafe { group_block(x, &mut AmxScratch::default(), &mut o, &mut stats) };
+            (o, stats)
+        };
+        let (all_o, all_stats) = run(0..m);
+        for rows in [m - 19..m, m - 1..m, 20..40] {
+            let (o, stats) = run(rows.clone());
+            for (i, r) in rows.enumerate() {
+                assert_eq!(
+                    stats[i].0.to_bits(),
+                    all_stats[r].0.to_bits(),
+                    "row {r} top"
+                );
+                assert_eq!(
+                    stats[i].1.to_bits(),
+                    all_stats[r].1.to_bits(),
+                    "row {r} sum"
+                );
+                for d in 0..hd {
+                    let (a, b) = (o[i * hd + d], all_o[r * hd + d]);
+                    assert_eq!(a.to_bits(), b.to_bits(), "row {r} dim {d}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_switch_takes_on_and_off_and_names_anything_else() {
         for v in [Some("on"), Some("1"), Some(" on ")] {
