@@ -197,6 +197,20 @@ macro_rules! tile {
     };
 }
 
+/// Output tile `$c` += the A operand (head in tmm4, remainder in tmm5) times the B operand whose
+/// head tile is at `$b` and remainder tile right after it (loaded into tmm6, tmm7): the three
+/// larger partial products, the smaller ones first.
+macro_rules! three_products {
+    ($c:literal, $b:expr) => {{
+        let b_hi = $b;
+        tile!(load 6, b_hi, TILE_ROW);
+        tile!(load 7, b_hi.add(TILE), TILE_ROW);
+        tile!(dp $c, 5, 6);
+        tile!(dp $c, 4, 7);
+        tile!(dp $c, 4, 6);
+    }};
+}
+
 /// Runs `$body!(tile, index)` for output tiles `0..$n` (at most four: tmm0–3).
 macro_rules! each_out {
     ($n:expr, $body:ident) => {
@@ -329,14 +343,9 @@ unsafe fn run<const NV: usize>(
                 tile!(load 4, k_hi, TILE_ROW);
                 tile!(load 5, k_lo, TILE_ROW);
                 macro_rules! scores {
-                    ($c:literal, $r:expr) => {{
-                        let q_hi = qb.add(((t * NV + $r) * 2) * TILE);
-                        tile!(load 6, q_hi, TILE_ROW);
-                        tile!(load 7, q_hi.add(TILE), TILE_ROW);
-                        tile!(dp $c, 5, 6);
-                        tile!(dp $c, 4, 7);
-                        tile!(dp $c, 4, 6);
-                    }};
+                    ($c:literal, $r:expr) => {
+                        three_products!($c, qb.add(((t * NV + $r) * 2) * TILE))
+                    };
                 }
                 each_out!(NV, scores);
             }
@@ -410,14 +419,9 @@ unsafe fn run<const NV: usize>(
                     tile!(load 4, p_hi, TILE_ROW);
                     tile!(load 5, p_hi.add(TILE), TILE_ROW);
                     macro_rules! weigh {
-                        ($c:literal, $i:expr) => {{
-                            let v_hi = vb.add(((p * columns + c0 + $i) * 2) * TILE);
-                            tile!(load 6, v_hi, TILE_ROW);
-                            tile!(load 7, v_hi.add(TILE), TILE_ROW);
-                            tile!(dp $c, 5, 6);
-                            tile!(dp $c, 4, 7);
-                            tile!(dp $c, 4, 6);
-                        }};
+                        ($c:literal, $i:expr) => {
+                            three_products!($c, vb.add(((p * columns + c0 + $i) * 2) * TILE))
+                        };
                     }
                     each_out!(OUT_TILES, weigh);
                 }
