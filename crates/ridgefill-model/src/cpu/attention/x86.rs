@@ -96,9 +96,9 @@ pub struct BlockScratch {
 /// One key range's softmax part for stacked query rows `r` (as [`group_part`]):
 /// `stats[r] = (m, l)` with `m` the largest of the scores `s_j = scale · q_r·k_j` over the keys
 /// `j < live[r]` the row sees and `l = Σ_j e^(s_j − m)`, and `o[r] = Σ_j e^(s_j − m) v_j`. A
-/// row that sees no key gets `(−∞, 0)` and zeros. On AMX tiles where the CPU has them
-/// ([`amx`]), else on the AVX-512 FMA units ([`block`]); either way a row's result does not
-/// depend on the rows sharing its block.
+/// row that sees no key gets `(−∞, 0)` and zeros. On the AVX-512 FMA units ([`block`]), or on
+/// AMX tiles ([`amx`]) with `RIDGEFILL_AMX=on` where the CPU has them; either way a row's result
+/// does not depend on the rows sharing its block.
 ///
 /// # Shapes
 /// - q, o: `[m, hd]` row-major; live, stats: `[m]`, m ≤ [`BLOCK_ROWS_MAX`]
@@ -123,7 +123,7 @@ pub unsafe fn group_block(
         o.len(),
         stats.len()
     );
-    // SAFETY: forwarded from the caller; `usable` checked the CPU (AMX) and `hd`.
+    // SAFETY: forwarded from the caller; `usable` checked the switch, the CPU (AMX) and `hd`.
     unsafe {
         if amx::usable(hd) {
             amx::group_block(x, &mut buf.amx, o, stats)
