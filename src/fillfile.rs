@@ -187,6 +187,8 @@ pub fn configure(
         resume_spans: choice.resume_spans,
         resume_min_attention: choice.resume_min_attention,
         resume_layers: choice.resume_layers,
+        decode_every: choice.decode_every,
+        decode_spans: choice.decode_spans,
     };
     let (mut maps, rows) = method.configure(maps, rows)?;
     if let (Some(w), Some(a)) = (choice.adapt_weight, maps.adapt.as_mut()) {
@@ -232,6 +234,10 @@ pub struct MethodChoice {
     pub resume_min_attention: f64,
     /// Upper layers a follow-up's restored rows run (`None`: every one).
     pub resume_layers: Option<usize>,
+    /// Generated tokens between restores while decoding over a filled cache (0: none).
+    pub decode_every: usize,
+    /// Spans each restore runs exactly.
+    pub decode_spans: usize,
     /// Fill files at deeper splits, tried in turn when the self-check fails.
     pub deeper: Vec<std::path::PathBuf>,
 }

@@ -16,7 +16,7 @@
 //! a few at a time between checks for input), so a later turn mostly finds an exact cache and
 //! re-runs no spans at all.
 
-use ridgefill::model::fill::{FillHistory, FillOptions, Prefill, settle};
+use ridgefill::model::fill::{FillHistory, FillOptions, Prefill, RestoringDecode, settle};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
@@ -185,15 +185,15 @@ pub fn run(a: Args) -> Result<()> {
         if let Some(h) = filled_rows.as_mut() {
             h.truncate(reuse);
         }
-        let (logits, report) = match &fill {
+        let (logits, report, mut restoring) = match &fill {
             Some((maps, rows)) => {
                 let opts = FillOptions::fill(maps, *rows);
                 let run = Prefill::over(model, &ids, &cache, filled_rows.take(), opts)?;
                 let f = run.finish(&mut cache)?;
-                filled_rows = f.history;
-                (f.logits, Some(f.report))
+                let restoring = RestoringDecode::new(model, opts, &ids, f.history);
+                (f.logits, Some(f.report), Some(restoring))
             }
-            None => (model.prefill(&ids[reuse..], &mut cache)?, None),
+            None => (model.prefill(&ids[reuse..], &mut cache)?, None, None),
         };
         cached.extend_from_slice(&ids[reuse..]);
         let mut logits = to_host_f32(logits);
@@ -233,16 +233,28 @@ pub fn run(a: Args) -> Result<()> {
                 break;
             }
             if step + 1 < a.n_predict {
-                logits = to_host_f32(model.decode_step(next, &mut cache)?);
+                logits = to_host_f32(match restoring.as_mut() {
+                    Some(r) => r.step(next, &mut cache)?,
+                    None => model.decode_step(next, &mut cache)?,
+                });
                 cached.push(next);
             }
         }
+        // The reply's restores leave rows exact that the next turn need not restore.
+        let restored = restoring.map(|r| {
+            let done = r.restored();
+            filled_rows = r.into_history();
+            done
+        });
         writeln!(out)?;
         out.flush()?;
         if verbose {
             let secs = decode_started.elapsed().as_secs_f64();
+            let restored = restored.map_or_else(String::new, |(rows, n)| {
+                format!(", {rows} filled rows restored in {n} restores")
+            });
             eprintln!(
-                "chat: reply {generated} tokens, {:.1} tokens/s",
+                "chat: reply {generated} tokens, {:.1} tokens/s{restored}",
                 generated as f64 / secs.max(f64::MIN_POSITIVE)
             );
         }

@@ -181,6 +181,14 @@ pub struct RowArgs {
     /// above stay predicted until settling); default: every upper layer.
     #[arg(long, value_parser = parse_layers)]
     pub resume_layers: Option<usize>,
+    /// While an answer is decoded over a filled cache, every this many generated tokens run
+    /// again as a prefill over the cache whose attention restores the filled rows they read
+    /// (0: never; the answer reads the cache as the prefill left it).
+    #[arg(long, default_value_t = ridgefill::model::fill::DEFAULT_DECODE_EVERY)]
+    pub restore_every: usize,
+    /// Spans each of those restores runs exactly.
+    #[arg(long, default_value_t = ridgefill::model::fill::DEFAULT_DECODE_SPANS)]
+    pub restore_spans: usize,
 }
 
 impl RowArgs {
@@ -213,6 +221,8 @@ impl RowArgs {
             resume_spans: self.resume_spans,
             resume_min_attention: self.resume_min_attention,
             resume_layers: self.resume_layers,
+            decode_every: self.restore_every,
+            decode_spans: self.restore_spans,
             deeper: self.fill_deeper.clone(),
         }
     }

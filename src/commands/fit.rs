@@ -483,6 +483,8 @@ pub fn fit_options(rows: &RowArgs, alpha: AlphaChoice) -> FitOptions {
             resume_spans: rows.resume_spans,
             resume_min_attention: rows.resume_min_attention,
             resume_layers: rows.resume_layers,
+            decode_every: rows.restore_every,
+            decode_spans: rows.restore_spans,
         },
         method: rows.method.unwrap_or(FillMethod::DEFAULT),
         adapt_weight: rows.adapt_weight.unwrap_or(DEFAULT_ADAPT_WEIGHT),

@@ -1,4 +1,4 @@
-use ridgefill::model::fill::{FillOptions, FillRows, Prefill};
+use ridgefill::model::fill::{FillOptions, FillRows, Prefill, RestoringDecode};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -165,12 +165,14 @@ pub fn run(a: Args) -> Result<()> {
     let mut out = std::io::stdout().lock();
 
     let t0 = Instant::now();
-    let (logits, report) = match &maps {
+    let (logits, report, mut restoring) = match &maps {
         Some((_, maps, rows)) => {
-            let f = Prefill::run(model, &ids, &mut cache, FillOptions::fill(maps, *rows))?;
-            (f.logits, Some(f.report))
+            let opts = FillOptions::fill(maps, *rows);
+            let f = Prefill::run(model, &ids, &mut cache, opts)?;
+            let restoring = RestoringDecode::new(model, opts, &ids, f.history);
+            (f.logits, Some(f.report), Some(restoring))
         }
-        None => (model.prefill(&ids, &mut cache)?, None),
+        None => (model.prefill(&ids, &mut cache)?, None, None),
     };
     let logits = to_host_f32(logits);
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -199,7 +201,10 @@ pub fn run(a: Args) -> Result<()> {
             out.flush()?;
             return Err(Interrupted.into());
         }
-        let logits = to_host_f32(model.decode_step(next, &mut cache)?);
+        let logits = to_host_f32(match restoring.as_mut() {
+            Some(r) => r.step(next, &mut cache)?,
+            None => model.decode_step(next, &mut cache)?,
+        });
         check_logits(&logits, ids.len() + steps)?;
         steps += 1;
         next = sampler.sample(&logits);
@@ -209,10 +214,14 @@ pub fn run(a: Args) -> Result<()> {
     let n = ids.len();
     let mode = match (&maps, report) {
         (Some((method, m, rows)), Some(r)) => format!(
-            "fill s={} {method} exact {} | {}",
+            "fill s={} {method} exact {} | {}{}",
             m.split,
             rows.exact,
-            describe_fill(&r, rows)
+            describe_fill(&r, rows),
+            restoring.as_ref().map_or_else(String::new, |d| {
+                let (rows, restores) = d.restored();
+                format!(" | decode restored {rows} filled rows in {restores} restores")
+            })
         ),
         _ => "full".to_string(),
     };

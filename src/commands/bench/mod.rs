@@ -202,6 +202,9 @@ fn load_modes<'a>(
         // Random tokens ask nothing: a `ppN @ dD` fill row measures what a restore costs.
         resume_min_attention: 0.0,
         resume_layers: None,
+        // Decode rows measure plain decode steps.
+        decode_every: 0,
+        decode_spans: 0,
         deeper: Vec::new(),
     };
     if let Some(path) = &a.fill {

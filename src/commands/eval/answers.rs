@@ -246,6 +246,9 @@ fn ask_all<'a>(ckpt: &Checkpoint, docs: &'a [Document]) -> Result<Vec<Asked<'a>>
 struct Answer {
     text: String,
     prefill_secs: f64,
+    decode_secs: f64,
+    tokens: usize,
+    restored: usize,
     report: FillReport,
 }
 
@@ -261,6 +264,9 @@ fn answer(
     Ok(Answer {
         text: ckpt.tokenizer.decode(&g.tokens, true)?,
         prefill_secs: g.prefill_secs,
+        decode_secs: g.decode_secs,
+        tokens: g.tokens.len(),
+        restored: g.restored,
         report: g.report,
     })
 }
@@ -409,6 +415,7 @@ pub fn run(a: Options) -> Result<()> {
                 ans.prefill_secs,
                 (ratio * full_flops, full_flops),
             );
+            tallies[i].add_decode(ans.decode_secs, ans.tokens, ans.restored);
             per_method.insert(
                 key(&runners, i).to_string(),
                 serde_json::json!({
@@ -417,6 +424,8 @@ pub fn run(a: Options) -> Result<()> {
                     "first_sentence": agree.first_sentence,
                     "rouge_l": agree.rouge_l,
                     "prefill_secs": ans.prefill_secs,
+                    "decode_secs": ans.decode_secs,
+                    "restored": ans.restored,
                     "fill": report_json(&ans.report),
                 }),
             );
@@ -500,6 +509,9 @@ impl Report<'_> {
                     "prefill_secs": t.prefill_secs,
                     "speedup": self.speedup(i),
                     "flops_ratio": t.flops_ratio(),
+                    "decode_secs": t.decode_secs,
+                    "decode_ms_per_token": t.decode_ms_per_token(),
+                    "restored_rows": t.restored,
                     "exact": self.runners.get(i).map_or(0.0, |r| r.rows.exact),
                 }),
             );
@@ -536,10 +548,10 @@ impl Report<'_> {
         let kind_cols: String = kinds.iter().map(|k| format!(" ROUGE-L {k} |")).collect();
         println!(
             "| method | identical | first sentence | ROUGE-L (±95%) |{kind_cols} prefill s | \
-             speed-up | prefill FLOPs |"
+             speed-up | prefill FLOPs | decode ms/token | rows restored |"
         );
         println!(
-            "|---|---:|---:|---:|{}---:|---:|---:|",
+            "|---|---:|---:|---:|{}---:|---:|---:|---:|---:|",
             "---:|".repeat(kinds.len())
         );
         for (i, t) in self.tallies.iter().enumerate() {
@@ -552,7 +564,7 @@ impl Report<'_> {
                 })
                 .collect();
             println!(
-                "| {} | {}/{} | {}/{} | {} |{cols} {:.1} | {:.2}× | {:.3} |",
+                "| {} | {}/{} | {}/{} | {} |{cols} {:.1} | {:.2}× | {:.3} | {:.1} | {} |",
                 self.row_name(i),
                 t.identical,
                 t.questions,
@@ -561,7 +573,9 @@ impl Report<'_> {
                 t.rouge_l().show_mean(),
                 t.prefill_secs,
                 self.speedup(i),
-                t.flops_ratio()
+                t.flops_ratio(),
+                t.decode_ms_per_token(),
+                t.restored
             );
         }
         if !self.floor {

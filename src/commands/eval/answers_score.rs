@@ -117,6 +117,12 @@ pub struct Tally {
     /// Prefill FLOPs of every prompt, and full prefill's of the same prompts.
     pub flops: f64,
     pub full_flops: f64,
+    /// Wall seconds of every decode after its prefill, the restores included.
+    pub decode_secs: f64,
+    /// Tokens those decodes generated.
+    pub decode_tokens: usize,
+    /// Filled rows the decodes restored.
+    pub restored: usize,
 }
 
 impl Tally {
@@ -136,6 +142,18 @@ impl Tally {
         self.prefill_secs += prefill_secs;
         self.flops += flops.0;
         self.full_flops += flops.1;
+    }
+
+    /// Counts one answer's decode: `secs` for `tokens` tokens, `restored` rows restored.
+    pub fn add_decode(&mut self, secs: f64, tokens: usize, restored: usize) {
+        self.decode_secs += secs;
+        self.decode_tokens += tokens;
+        self.restored += restored;
+    }
+
+    /// Mean decode milliseconds per generated token.
+    pub fn decode_ms_per_token(&self) -> f64 {
+        1e3 * self.decode_secs / self.decode_tokens.max(1) as f64
     }
 
     /// Mean ROUGE-L over the questions, with the half-width of its 95% interval (`None` under

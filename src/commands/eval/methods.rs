@@ -7,7 +7,9 @@ use ridgefill::io::config::ModelConfig;
 use ridgefill::io::fill::FillFile;
 use ridgefill::model::Decoder;
 use ridgefill::model::eval::{Method, Skip, prefill_flops};
-use ridgefill::model::fill::{FillMaps, FillMethod, FillReport, FillRows};
+use ridgefill::model::fill::{
+    FillMaps, FillMethod, FillOptions, FillReport, FillRows, RestoringDecode,
+};
 
 use crate::commands::common::RowArgs;
 
@@ -268,6 +270,10 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     /// Wall seconds of the prefill alone (logits on the host), for side-by-side speed-ups.
     pub prefill_secs: f64,
+    /// Wall seconds of the decode after it, restores included.
+    pub decode_secs: f64,
+    /// Filled rows the decode restored ([`RestoringDecode`]).
+    pub restored: usize,
     /// The bulk spans that ran exactly (none unless the method chooses spans).
     pub spans: Vec<std::ops::Range<usize>>,
     /// What the prefill filled, and its self-check.
@@ -288,6 +294,12 @@ pub fn generate(
     let filled = ridgefill::model::eval::prefill_with_spans(model, prompt, &mut cache, method)?;
     let mut logits = ridgefill::model::to_host_f32(filled.logits);
     let prefill_secs = t0.elapsed().as_secs_f64();
+    let t1 = std::time::Instant::now();
+    let opts = match method {
+        Method::Fill(maps, rows) => Some(FillOptions::fill(maps, rows)),
+        _ => None,
+    };
+    let mut decode = opts.map(|o| RestoringDecode::new(model, o, prompt, filled.history));
     let mut tokens = Vec::with_capacity(max_new);
     for step in 0..max_new {
         let t = ridgefill::model::sample::argmax(&logits);
@@ -296,12 +308,20 @@ pub fn generate(
         }
         tokens.push(t);
         if step + 1 < max_new {
-            logits = ridgefill::model::to_host_f32(model.decode_step(t, &mut cache)?);
+            let next = match decode.as_mut() {
+                Some(d) => d.step(t, &mut cache)?,
+                None => model.decode_step(t, &mut cache)?,
+            };
+            logits = ridgefill::model::to_host_f32(next);
         }
     }
+    let decode_secs = t1.elapsed().as_secs_f64();
+    let restored = decode.as_ref().map_or(0, |d| d.restored().0);
     Ok(Generation {
         tokens,
         prefill_secs,
+        decode_secs,
+        restored,
         spans: filled.spans,
         report: filled.report,
     })
