@@ -129,9 +129,10 @@ fn filled_rows_are_reused_only_by_filling_requests() {
     assert!(v["usage"]["fill_report"]["restored_rows"].is_u64(), "{v}");
 }
 
-/// An idle server settles a finished fill request's filled rows (`/metrics` counts them); the
-/// same conversation continued then reuses the cache and its spans restore nothing, and a
-/// request without fill still does not reuse it. `--no-settle` leaves the rows filled.
+/// An idle server settles a finished fill request's filled rows (`/metrics` counts them) that
+/// its decode did not restore; the same conversation continued then reuses the cache and its
+/// spans restore nothing, and a request without fill still does not reuse it. `--no-settle`
+/// leaves the rows filled, and a decode past `--restore-every` tokens restores some of them.
 #[test]
 fn an_idle_server_settles_filled_rows() {
     let dir = tempfile::tempdir().unwrap();
@@ -140,20 +141,26 @@ fn an_idle_server_settles_filled_rows() {
     let q = "Where are the atlases?";
     let filled_rows = |v: &Value| v["usage"]["fill_report"]["filled_rows"].as_u64().unwrap();
     let restored = |v: &Value| v["usage"]["fill_report"]["restored_rows"].as_u64().unwrap();
+    let decode_restored = |v: &Value| {
+        v["usage"]["fill_report"]["decode_restored_rows"]
+            .as_u64()
+            .unwrap()
+    };
     let server = start(&["--fill", fill, "--ctx", "1024"]);
     let port = server.port;
     let (status, first) = post(port, "/v1/chat/completions", &ask(q, json!({})));
     assert_eq!(status, 200, "{first}");
     assert!(filled_rows(&first) > 0, "{first}");
+    let to_settle = filled_rows(&first) - decode_restored(&first);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while counter(port, "settled_rows_total") < filled_rows(&first) {
+    while counter(port, "settled_rows_total") < to_settle {
         assert!(
             std::time::Instant::now() < deadline,
             "settling never finished"
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    assert_eq!(counter(port, "settled_rows_total"), filled_rows(&first));
+    assert_eq!(counter(port, "settled_rows_total"), to_settle);
     let (status, again) = post(port, "/v1/chat/completions", &ask(q, json!({})));
     assert_eq!(status, 200, "{again}");
     let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -183,6 +190,13 @@ fn an_idle_server_settles_filled_rows() {
     assert!(restored(&again) > 0, "{again}");
     let share = again["usage"]["fill_report"]["filled_attention"].as_f64();
     assert!(share.is_some_and(|s| s > 0.0 && s < 1.0), "{again}");
+    // Twelve tokens, past the default `--restore-every 8`: a restore, which with
+    // `--resume-min-attention 0` runs its spans among the rows still filled.
+    let long = ask("Which shelf holds the maps?", json!({"ignore_eos": true}));
+    let (status, v) = post(port, "/v1/chat/completions", &long);
+    assert_eq!(status, 200, "{v}");
+    assert!(decode_restored(&v) > 0, "{v}");
+    assert!(counter(port, "decode_restores_total") >= 1);
 }
 
 /// One slot, two conversations taking turns: the host cache (`--cache-ram`) keeps the one the

@@ -34,6 +34,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use ridgefill::io::tokenizer::{StreamDecoder, Tokenizer};
+use ridgefill::model::fill::decode::{restore, restore_due};
 use ridgefill::model::fill::{
     FillHistory, FillMaps, FillOptions, FillReport, FillRows, Prefill, settle,
 };
@@ -104,6 +105,8 @@ pub struct Finish {
     /// What skip-and-fill did with the prompt; `None` when it did not run (no fill file,
     /// `"fill": false`, or prompt logprobs).
     pub report: Option<FillReport>,
+    /// Filled rows the decode restored where the generated tokens read them.
+    pub decode_restored: usize,
 }
 
 /// One token's log-probability under the model, with the most likely tokens at its position.
@@ -185,6 +188,10 @@ struct Seq<'t> {
     prefilled: usize,
     /// The sampled token that the next decode step feeds (`None` while prefilling).
     next: Option<u32>,
+    /// Tokens fed since the prefill or the last restore of filled rows ([`restore_due`]).
+    since_restore: usize,
+    /// Filled rows those restores ran exactly.
+    decode_restored: usize,
     generated: usize,
     decoder: StreamDecoder<'t>,
     text: String,
@@ -306,9 +313,25 @@ impl<'m> Engine<'m> {
                     self.finish(s, &mut idle, finished);
                 }
             }
-            // One decode step of every sequence past its prefill.
+            // A sequence due a restore of its filled rows feeds its token through it, alone;
+            // the others take one batched decode step.
+            let mut restored = vec![false; active.len()];
+            let mut i = 0;
+            while i < active.len() {
+                if active[i].next.is_none() || !self.restore_due(&active[i]) {
+                    i += 1;
+                } else if let Err(e) = self.restore_step(&mut active[i], &eos) {
+                    // A failed request drops its cache, half-restored or not.
+                    let s = active.remove(i);
+                    restored.remove(i);
+                    let _ = s.job.events.send(Event::Failed(e.to_string()));
+                } else {
+                    restored[i] = true;
+                    i += 1;
+                }
+            }
             let ready: Vec<usize> = (0..active.len())
-                .filter(|&i| active[i].next.is_some())
+                .filter(|&i| active[i].next.is_some() && !restored[i])
                 .collect();
             if ready.is_empty() {
                 continue;
@@ -318,8 +341,9 @@ impl<'m> Engine<'m> {
             // The decoding sequences' caches and samplers, in `ready`'s order.
             let (mut caches, mut samplers): (Vec<&mut KvCache>, Vec<&mut Sampler>) = active
                 .iter_mut()
-                .filter(|s| s.next.is_some())
-                .map(|s| (&mut s.cache, &mut s.sampler))
+                .zip(&restored)
+                .filter(|(s, r)| s.next.is_some() && !**r)
+                .map(|(s, _)| (&mut s.cache, &mut s.sampler))
                 .unzip();
             let logits = match self.model.decode_batch(&fed, &mut caches) {
                 Ok(l) => to_host_f32(l),
@@ -335,6 +359,7 @@ impl<'m> Engine<'m> {
             let tokens = sample_rows(&mut samplers, &logits, vocab);
             for (row, (&token, &i)) in tokens.iter().zip(&ready).enumerate() {
                 active[i].tokens.push(fed[row]);
+                active[i].since_restore += 1;
                 active[i].accept(token, &logits[row * vocab..(row + 1) * vocab], &eos);
             }
             // Finished sequences leave; their slots take new requests next round.
@@ -409,6 +434,8 @@ impl<'m> Engine<'m> {
             sampler: Sampler::new(job.sampler.clone()),
             prefilled: reused,
             next: None,
+            since_restore: 0,
+            decode_restored: 0,
             generated: 0,
             decoder: self.tokenizer.stream_decoder(true),
             text: String::new(),
@@ -500,6 +527,42 @@ impl<'m> Engine<'m> {
         Ok(())
     }
 
+    /// Whether `s`, a filling request past its prefill, restores filled rows with the token it
+    /// feeds next.
+    fn restore_due(&self, s: &Seq<'m>) -> bool {
+        let rows = self.fill.map(|f| &f.rows);
+        s.fill && rows.is_some_and(|r| restore_due(r, s.history.as_ref(), s.since_restore + 1))
+    }
+
+    /// Feeds `s`'s next token as a restore ([`restore`]): its tokens since the last one run
+    /// again as a prefill over the cache, restoring the filled rows they read; then samples.
+    fn restore_step(&self, s: &mut Seq<'m>, eos: &[u32]) -> anyhow::Result<()> {
+        let (Some(f), Some(token), Some(before)) = (self.fill, s.next, s.history.take()) else {
+            anyhow::bail!("a restore needs a fill, a token to feed and the cache's history");
+        };
+        let t0 = Instant::now();
+        s.tokens.push(token);
+        let opts = FillOptions::fill(&f.maps, f.rows);
+        let done = restore(
+            self.model,
+            opts,
+            &s.tokens,
+            s.since_restore + 1,
+            &mut s.cache,
+            before,
+        )?;
+        s.history = done.history;
+        s.since_restore = 0;
+        s.decode_restored += done.report.restored;
+        self.metrics
+            .record_restore(done.report.restored, t0.elapsed());
+        let logits = to_host_f32(done.logits);
+        check_finite(&logits, logits.len(), s.tokens.len() - 1)?;
+        let next = s.sampler.sample(&logits);
+        s.accept(next, &logits, eos);
+        Ok(())
+    }
+
     /// Sends `s`'s outcome and leaves its cache idle for a later request (`finished`: how many
     /// requests have finished, this one included).
     fn finish(&self, mut s: Seq<'m>, idle: &mut Vec<Idle>, finished: u64) {
@@ -516,6 +579,7 @@ impl<'m> Engine<'m> {
             ttft_ms: s.ttft_ms,
             filled: s.filled,
             report: s.report,
+            decode_restored: s.decode_restored,
         }));
         if !self.cache_prompt || s.tokens.is_empty() {
             return;

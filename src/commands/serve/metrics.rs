@@ -47,6 +47,11 @@ struct Inner {
     /// Filled rows of idle caches run exactly while the server was idle, and the time it took.
     settled_rows: u64,
     settle_seconds: f64,
+    /// Filled rows run exactly during decoding where the generated tokens read them, the
+    /// restores that did it and their time (its tokens' rows included).
+    restored_rows: u64,
+    restores: u64,
+    restore_seconds: f64,
     decode_steps: u64,
     ttft_counts: [u64; TTFT_BUCKETS.len()],
     ttft_sum: f64,
@@ -73,6 +78,15 @@ impl Metrics {
         self.with(|m| {
             m.settled_rows += rows as u64;
             m.settle_seconds += took.as_secs_f64();
+        });
+    }
+
+    /// One restore during a decode that ran `rows` filled rows exactly.
+    pub fn record_restore(&self, rows: usize, took: Duration) {
+        self.with(|m| {
+            m.restored_rows += rows as u64;
+            m.restores += 1;
+            m.restore_seconds += took.as_secs_f64();
         });
     }
 
@@ -212,6 +226,24 @@ impl Metrics {
             "counter",
             "Seconds spent settling idle caches' filled rows.",
             format!("{:.6}", m.settle_seconds),
+        );
+        metric(
+            "decode_restored_rows_total",
+            "counter",
+            "Filled rows run exactly while decoding, where the generated tokens read them (--restore-every).",
+            m.restored_rows.to_string(),
+        );
+        metric(
+            "decode_restores_total",
+            "counter",
+            "Restores during decoding: the tokens since the last one run again as a prefill over the cache.",
+            m.restores.to_string(),
+        );
+        metric(
+            "decode_restore_seconds_total",
+            "counter",
+            "Seconds spent in restores during decoding.",
+            format!("{:.6}", m.restore_seconds),
         );
         metric(
             "queue_depth",

@@ -37,15 +37,19 @@ pub fn usage(fs: &[Finish]) -> Value {
         "prefill_ms": ms(|f| f.prefill_ms),
         "ttft_ms": ms(|f| f.ttft_ms),
         "fill": fs.iter().any(|f| f.filled),
-        "fill_report": fill_report(fs.iter().filter_map(|f| f.report.as_ref())),
+        "fill_report": fill_report(
+            fs.iter().filter_map(|f| f.report.as_ref()),
+            fs.iter().map(|f| f.decode_restored).sum(),
+        ),
     })
 }
 
 /// The fill reports of a request's choices as one object: rows summed, the deepest split that
 /// filled, the largest self-check errors (every exact row, spans alone), the smallest span coverage, whether any prompt fell
 /// back to exact layers or was filled again with more rows exact, and the rows earlier requests had filled that this one's spans ran
-/// exactly (prefix reuse) with the largest share of attention those filled rows drew.
-fn fill_report<'a>(reports: impl Iterator<Item = &'a FillReport>) -> Value {
+/// exactly (prefix reuse) with the largest share of attention those filled rows drew, and the
+/// filled rows the decodes restored where their tokens read them.
+fn fill_report<'a>(reports: impl Iterator<Item = &'a FillReport>, decode_restored: usize) -> Value {
     let rs: Vec<&FillReport> = reports.collect();
     if rs.is_empty() {
         return Value::Null;
@@ -61,6 +65,7 @@ fn fill_report<'a>(reports: impl Iterator<Item = &'a FillReport>) -> Value {
         "widened": rs.iter().any(|r| r.widened),
         "restored_rows": rs.iter().map(|r| r.restored).sum::<usize>(),
         "filled_attention": rs.iter().filter_map(|r| r.filled_attention).reduce(f64::max),
+        "decode_restored_rows": decode_restored,
     })
 }
 
