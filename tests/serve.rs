@@ -333,7 +333,7 @@ fn serve_and_chat_refuse_bad_flags() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
         (
             &["serve", "--host", "no such host", "--port", "0"],
             "not an address",
@@ -371,6 +371,14 @@ fn serve_and_chat_refuse_bad_flags() {
         (
             &["serve", "--cache-ram", "lots", "--port", "0"],
             "--cache-ram",
+        ),
+        (
+            &["generate", "-p", "x", "--restore-every", "many"],
+            "--restore-every",
+        ),
+        (
+            &["chat", "--device", "cpu", "--restore-spans", "some"],
+            "--restore-spans",
         ),
     ];
     for (args, needle) in cases {
