@@ -325,6 +325,12 @@ impl<'m> Engine<'m> {
                     let s = active.remove(i);
                     restored.remove(i);
                     let _ = s.job.events.send(Event::Failed(e.to_string()));
+                } else if active[i].done_reason.is_some() {
+                    // Its restore sampled the last token: it leaves now, batch or no batch.
+                    let s = active.remove(i);
+                    restored.remove(i);
+                    finished += 1;
+                    self.finish(s, &mut idle, finished);
                 } else {
                     restored[i] = true;
                     i += 1;
