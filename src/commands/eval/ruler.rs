@@ -18,6 +18,7 @@
 //! - keys, values and variable names are drawn distinct, so every answer is derivable.
 
 use std::collections::{BTreeSet, HashSet};
+use std::ops::Range;
 
 use anyhow::Result;
 use rand::rngs::StdRng;
@@ -262,6 +263,28 @@ pub struct Sample {
     pub references: Vec<String>,
     /// The haystack size the prompt was fitted with (lines, words or list entries).
     pub size: usize,
+    /// The prompt rows each reference's first occurrence covers (none: not in the text), so a
+    /// lost answer can be read against the spans that ran exactly.
+    pub reference_rows: Vec<Option<Range<usize>>>,
+}
+
+/// The prompt rows `references` take in `text` (BOS counted, as in the prompt).
+fn reference_rows(
+    text: &str,
+    references: &[String],
+    encode: &Encode,
+) -> Result<Vec<Option<Range<usize>>>> {
+    references
+        .iter()
+        .map(|r| {
+            let Some(at) = text.find(r.as_str()) else {
+                return Ok(None);
+            };
+            let start = encode(&text[..at])?.len();
+            let end = encode(&text[..at + r.len()])?.len();
+            Ok(Some(start.min(end)..end))
+        })
+        .collect()
 }
 
 /// The material the generators draw on.
@@ -340,11 +363,13 @@ pub fn samples(
             }
             .into());
         }
+        let reference_rows = reference_rows(&text, &references, encode)?;
         out.push(Sample {
             text,
             prompt,
             references,
             size,
+            reference_rows,
         });
     }
     Ok(out)

@@ -331,6 +331,9 @@ fn print_json(
                         "reference_depths": s.references.iter().map(|x| {
                             s.text.find(x.as_str()).map(|p| p as f64 / s.text.len() as f64)
                         }).collect::<Vec<_>>(),
+                        "reference_rows": s.reference_rows.iter()
+                            .map(|r| r.as_ref().map(|r| [r.start, r.end]))
+                            .collect::<Vec<_>>(),
                         "answer": a.text,
                         "score": a.score,
                         "same_as_full": a.same_as_full,
