@@ -571,36 +571,59 @@ fn a_prompt_sent_deeper_equals_a_fill_at_the_deeper_split() {
                     .0
             }
         };
+        let alone_maps = adapting(deep, 8)(None);
+        let mut alone_cache = model.new_cache(N + FOLLOW_UP);
         let alone = Prefill::run(
             &model,
             &ids,
-            &mut model.new_cache(N),
-            FillOptions::fill(&adapting(deep, 8)(None), rows),
+            &mut alone_cache,
+            FillOptions::fill(&alone_maps, rows),
         )
         .unwrap();
         let deeper = random_maps(&model, deep, 8)
             .with_adapt(&eye, 100.0, FloatDType::F32, &model.device)
             .unwrap();
         let ladder = adapting(split, 21)(Some(deeper));
+        let ladder_rows = FillRows {
+            min_coverage: 1.0,
+            ..rows
+        };
+        let mut sent_cache = model.new_cache(N + FOLLOW_UP);
         let sent = Prefill::run(
             &model,
             &ids,
-            &mut model.new_cache(N),
-            FillOptions::fill(
-                &ladder,
-                FillRows {
-                    min_coverage: 1.0,
-                    ..rows
-                },
-            ),
+            &mut sent_cache,
+            FillOptions::fill(&ladder, ladder_rows),
         )
         .unwrap();
         assert_eq!(sent.report.split, Some(deep), "{:?}", sent.report);
         assert_eq!(sent.spans, alone.spans);
         assert_eq!(sent.report, alone.report);
         assert_eq!(to_host_f32(sent.logits), to_host_f32(alone.logits));
+
+        // The history is the deeper split's, so a follow-up (or a decode's restore) over the
+        // ladder's cache resumes with the deeper maps, as over the deeper split's own cache.
+        let (sent_h, alone_h) = (sent.history.unwrap(), alone.history.unwrap());
+        assert_eq!((sent_h.split, alone_h.split), (deep, deep));
+        assert!(sent_h.filled(N) > 0);
+        let mut more = ids.clone();
+        more.extend(prompt(FOLLOW_UP, model.config.vocab_size));
+        let resume = |cache: &mut KvCache, h, maps, rows| {
+            Prefill::resume(&model, &more, cache, h, FillOptions::fill(maps, rows))
+                .unwrap()
+                .finish(cache)
+                .unwrap()
+        };
+        let a = resume(&mut alone_cache, alone_h, &alone_maps, rows);
+        let b = resume(&mut sent_cache, sent_h, &ladder, ladder_rows);
+        assert!(a.report.restored > 0, "{:?}", a.report);
+        assert_eq!(a.report, b.report);
+        assert_eq!(to_host_f32(a.logits), to_host_f32(b.logits));
     }
 }
+
+/// New tokens of the ladder test's follow-up prefill.
+const FOLLOW_UP: usize = 24;
 
 /// With the maps' line-break ids, the exact tail reaches back to the last line break before
 /// the final question (here 30 rows from the end), not the fixed `tail`.

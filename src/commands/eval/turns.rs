@@ -247,7 +247,7 @@ fn prefill_turns(
     let mut history: Option<FillHistory> = None;
     for (t, prompt) in turns.iter().enumerate() {
         let last = t + 1 == turns.len();
-        // A filled cache without its history (a deeper split filled) cannot be resumed.
+        // A filled cache without its history cannot be resumed (every fill leaves one).
         let resumable = opts.is_none() || history.is_some();
         let p = if resumable {
             reusable_prefix(&cached, prompt, model.reuse_min_rows())

@@ -590,7 +590,7 @@ impl<'m> Engine<'m> {
         if !self.cache_prompt || s.tokens.is_empty() {
             return;
         }
-        // A deeper split's fill leaves no history to resume from: such a cache is not kept.
+        // A filled cache without its history cannot be resumed (every fill leaves one).
         if s.filled && s.history.is_none() {
             return;
         }

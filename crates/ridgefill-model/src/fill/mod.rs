@@ -469,6 +469,18 @@ impl FillMaps {
             .collect()
     }
 
+    /// These maps or the deeper ones behind them that fill at `split`.
+    pub fn at_split(&self, split: usize) -> Option<&FillMaps> {
+        let mut maps = Some(self);
+        while let Some(m) = maps {
+            if m.split == split {
+                return Some(m);
+            }
+            maps = m.deeper.as_deref();
+        }
+        None
+    }
+
     /// The same maps, falling back to `deeper` (a later split) when the self-check fails.
     pub fn with_deeper(mut self, deeper: FillMaps) -> Result<Self> {
         if deeper.split <= self.split {

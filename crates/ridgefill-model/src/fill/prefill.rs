@@ -114,7 +114,7 @@ pub struct Prefill<'a> {
     from: usize,
     /// The cache's rows `0..from`: which are exact, and what re-running the filled ones needs.
     before: Option<FillHistory>,
-    /// The cache's rows once done (`None` for the `drop` baseline or a deeper split's fill).
+    /// The cache's rows once done (`None` for the `drop` baseline).
     history: Option<FillHistory>,
     /// Rows neither sink nor tail; `None` when every row runs every layer.
     bulk: Option<Range<usize>>,
@@ -209,17 +209,23 @@ impl<'a> Prefill<'a> {
         opts: FillOptions<'a>,
     ) -> Result<Self> {
         let (from, n) = (cache.len(), tokens.len());
-        let Some(maps) = opts.maps else {
+        let Some(first) = opts.maps else {
             return Err(ModelError::Invalid(
                 "resuming a prefill needs fill maps".into(),
             ));
         };
-        if before.split != maps.split {
+        // A prompt that went to a deeper split resumes with that split's maps.
+        let Some(maps) = first.at_split(before.split) else {
             return Err(ModelError::Invalid(format!(
                 "the cache was filled at split {}, these maps fill at split {}",
-                before.split, maps.split
+                before.split, first.split
             )));
-        }
+        };
+        let opts = FillOptions {
+            split: maps.split,
+            maps: Some(maps),
+            ..opts
+        };
         if from == 0 || from >= n || before.recorded() > from {
             return Err(ModelError::Invalid(format!(
                 "resuming a prefill of {n} tokens over a cache of {from} positions \
@@ -316,8 +322,8 @@ impl<'a> Prefill<'a> {
     }
 
     /// Which of the cache's rows are exact and what re-running the filled ones needs, once the
-    /// prefill is done: what a later [`Prefill::resume`] over this cache starts from. `None`
-    /// for the `drop` baseline, or when a deeper split's maps filled.
+    /// prefill is done: what a later [`Prefill::resume`] over this cache starts from (at the
+    /// deeper split's input when a deeper split's maps filled). `None` for the `drop` baseline.
     pub fn history(&self) -> Option<&FillHistory> {
         self.history.as_ref()
     }
@@ -436,10 +442,14 @@ impl<'a> Prefill<'a> {
                         self.report.filled = exact[self.from..].iter().filter(|e| !**e).count()
                     }
                 }
-                if upper.split.is_none_or(|s| s == maps.split) {
-                    let h = FillHistory::new(maps.split, h_split, exact);
-                    self.history = Some(h.continuing(before.as_ref()));
-                }
+                // A prompt a deeper split filled keeps that split's input, so its filled rows
+                // can be restored (decode, follow-up, settling) like any other's.
+                let (split, input) = match (upper.split, upper.deeper_input) {
+                    (Some(s), Some(input)) => (s, input),
+                    _ => (maps.split, h_split),
+                };
+                let h = FillHistory::new(split, input, exact);
+                self.history = Some(h.continuing(before.as_ref()));
                 self.spans = upper.spans;
                 upper.h_last
             }

@@ -54,6 +54,9 @@ pub(crate) struct Upper {
     pub restored_whole: bool,
     /// The split whose maps filled; `None`: every row ran every layer.
     pub split: Option<usize>,
+    /// Every row's input to `split` when a deeper split's maps filled (`None`: the split
+    /// input given): what a later restore of this prompt's filled rows starts from.
+    pub deeper_input: Option<Tensor<2>>,
     /// The self-check failed and the prompt was filled again with
     /// [`FillRows::retry_exact`] of its rows exact.
     pub widened: bool,
@@ -145,6 +148,7 @@ pub(crate) fn fill_upper(
                 filled_attention,
                 restored_whole: whole,
                 split: Some(maps.split),
+                deeper_input: None,
                 widened: false,
             });
         }
@@ -182,6 +186,7 @@ pub(crate) fn fill_upper(
                 filled_attention,
                 restored_whole: whole,
                 split: Some(maps.split),
+                deeper_input: None,
                 widened: true,
             });
         }
@@ -195,6 +200,7 @@ pub(crate) fn fill_upper(
             filled_attention,
             restored_whole: true,
             split: None,
+            deeper_input: None,
             widened: false,
         });
     };
@@ -209,7 +215,19 @@ pub(crate) fn fill_upper(
     };
     let lowest = deep_scored.max(maps.split);
     let h_deeper = run_exact(model, h, lowest..deeper.split, cache, 0)?;
-    fill_upper(model, deeper, plan, tail_in, h_deeper, cache, oracle)
+    let mut up = fill_upper(
+        model,
+        deeper,
+        plan,
+        tail_in,
+        h_deeper.clone(),
+        cache,
+        oracle,
+    )?;
+    if up.split == Some(deeper.split) {
+        up.deeper_input = Some(h_deeper);
+    }
+    Ok(up)
 }
 
 /// The positions that run the upper layers exactly, increasing: the sink (the cache holds an
