@@ -5,7 +5,13 @@
 # `logprobs` (scripts/lm_eval_tasks/). Prints task x full x fill and keeps lm-eval's JSON results.
 #
 #   scripts/lm_eval.sh [--limit N] [--lengths 2048[,4096...]] [--model M] [--fill FILE]
-#                      [--tasks LIST] [--results DIR] [--parallel N] [--ci] [-- LM_EVAL_ARGS...]
+#                      [--tasks LIST] [--results DIR] [--parallel N] [--tokenizer-from M2] [--ci]
+#                      [-- LM_EVAL_ARGS...]
+#
+# --tokenizer-from: the model whose exported tokenizer lm-eval sizes RULER's prompts with
+# (default: --model). For a model whose tokenizer is not exported (SentencePiece: Gemma 3),
+# e.g. `--model gemma3-270m --tokenizer-from smollm2-135m`: the prompts are then as long as
+# that tokenizer counts, and go to the server as text, which it tokenizes with the model's own.
 #
 # Defaults: 15 samples per task at 2048 tokens, smollm2-135m, data/fid/s15q.fill, results in
 # data/lm_eval/DATE. Left out: RULER's NIAH tasks on essay haystacks (niah_single_2/3,
@@ -22,6 +28,7 @@ repo=$(pwd)
 limit=15
 lengths=2048
 model=smollm2-135m
+tokenizer_from=""
 fill=data/fid/s15q.fill
 fill_given=0
 tasks=niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe,ridgefill_cloze
@@ -39,6 +46,7 @@ while [ $# -gt 0 ]; do
     --tasks) tasks=$2; shift 2 ;;
     --results) results=$2; shift 2 ;;
     --parallel) parallel=$2; shift 2 ;;
+    --tokenizer-from) tokenizer_from=$2; shift 2 ;;
     --ci) ci=1; limit=3; lengths=1024; shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage 0 ;;
@@ -71,7 +79,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_
 cargo build --release --quiet
 bin="${CARGO_TARGET_DIR:-target}/release/ridgefill"
 tok="$results/tokenizer"
-"$bin" info -m "$model" --export-tokenizer "$tok" >/dev/null
+"$bin" info -m "${tokenizer_from:-$model}" --export-tokenizer "$tok" >/dev/null
 if [ $ci = 1 ] && [ $fill_given = 0 ]; then
   fill="$results/s15-ci.fill"
   echo "== a quick fit at split 15 for the CI run: $fill"
@@ -81,6 +89,9 @@ elif [ ! -f "$fill" ]; then
   exit 1
 fi
 
+# Another model's token ids mean nothing to this one: send text.
+text_requests=""
+[ -n "$tokenizer_from" ] && [ "$tokenizer_from" != "$model" ] && text_requests=",tokenized_requests=False"
 max_len=$(tr ',' '\n' <<<"$lengths" | sort -n | tail -1)
 # RULER's lengths include its answer (at most 128 tokens); room for lm-eval's rounding on top.
 ctx=$((max_len + 256))
@@ -119,7 +130,7 @@ for mode in full fill; do
   echo "== $mode: ridgefill serve on port $port; lm_eval --tasks $tasks --limit $limit (lengths $lengths)"
   t0=$(date +%s)
   "$venv/bin/lm_eval" --model local-completions \
-    --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,tokenizer=$tok,tokenizer_backend=huggingface,max_length=$ctx,num_concurrent=$parallel,max_retries=1,timeout=3600" \
+    --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,tokenizer=$tok,tokenizer_backend=huggingface,max_length=$ctx,num_concurrent=$parallel,max_retries=1,timeout=3600$text_requests" \
     --include_path "$repo/scripts/lm_eval_tasks" --tasks "$tasks" \
     --metadata "{\"max_seq_lengths\":[$lengths]}" --limit "$limit" \
     --output_path "$results/$mode" --log_samples --seed 1234 "${extra[@]}" \
