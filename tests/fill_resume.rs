@@ -128,6 +128,35 @@ fn a_later_prefill_restores_the_earlier_rows_its_spans_choose() {
     );
 }
 
+/// A later turn long enough to fill whose self-check fails (random maps, threshold 0) runs its
+/// new rows exactly, with a retry share or without: a fresh prompt's retry with more rows
+/// exact lost needles that full prefill found when tried on later turns (docs/fidelity.md, L8).
+#[test]
+fn a_later_turn_that_fails_its_self_check_runs_its_new_rows_exactly() {
+    common::init();
+    let model = gqa_model(4, true);
+    let ids = prompt(N, model.config.vocab_size);
+    let maps = maps_at(&model, 2, 31);
+    let first = spans_rows(4, 0.1, 4);
+    let failing = FillRows {
+        max_error: 0.0,
+        ..first
+    };
+    let retry = FillRows {
+        retry_exact: 0.3,
+        ..failing
+    };
+    assert!(retry.retries(LATER), "a fresh prompt this long would retry");
+    let (got, report, _) = two_turns(&model, &ids, &maps, first, retry);
+    assert!(report.fell_back && !report.widened, "{report:?}");
+    assert_eq!(report.filled, 0, "{report:?}");
+    let (want, exact, _) = two_turns(&model, &ids, &maps, first, failing);
+    assert!(exact.fell_back, "{exact:?}");
+    assert_eq!(got, want, "with a retry share vs without");
+    let (_, lax, _) = two_turns(&model, &ids, &maps, first, first);
+    assert!(!lax.fell_back && lax.filled > 0, "{lax:?}");
+}
+
 /// A short follow-up (no longer than its tail, so every new row runs exactly) over a cache whose
 /// first prompt random maps filled: with `resume_spans` 0 it restores nothing and skips the
 /// scoring, so its logits are full prefill's of the new rows over that same filled cache; with

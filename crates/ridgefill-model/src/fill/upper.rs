@@ -160,7 +160,9 @@ pub(crate) fn fill_upper(
     (maps.split..layers).for_each(|l| cache.truncate_layer(l, from));
     let deeper = maps.deeper.as_deref().filter(|_| from == 0);
     let Some(deeper) = deeper else {
-        // A fresh prompt fills again with more of its rows exact, where its question points.
+        // A fresh prompt fills again with more of its rows exact, where its question points. A
+        // resumed one runs its new rows exactly: retried, lm-eval's all-UUID haystacks through
+        // `serve` lost both needles full prefill found (docs/fidelity.md, run L8).
         if let Some(scores) = scores.filter(|_| from == 0 && rows.retries(n)) {
             let wide = rows.widened();
             let spans = choose_new_spans(
