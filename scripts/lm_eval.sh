@@ -127,18 +127,23 @@ for mode in full fill; do
   flags=()
   [ "$mode" = fill ] && flags=(--fill "$fill")
   start_server "$results/serve-$mode.log" "${flags[@]}"
-  echo "== $mode: ridgefill serve on port $port; lm_eval --tasks $tasks --limit $limit (lengths $lengths)"
   t0=$(date +%s)
-  "$venv/bin/lm_eval" --model local-completions \
-    --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,tokenizer=$tok,tokenizer_backend=huggingface,max_length=$ctx,num_concurrent=$parallel,max_retries=1,timeout=3600$text_requests" \
-    --include_path "$repo/scripts/lm_eval_tasks" --tasks "$tasks" \
-    --metadata "{\"max_seq_lengths\":[$lengths]}" --limit "$limit" \
-    --output_path "$results/$mode" --log_samples --seed 1234 "${extra[@]}" \
-    >"$results/lm_eval-$mode.log" 2>&1 || {
-      echo "error: lm_eval ($mode) failed; the end of $results/lm_eval-$mode.log:" >&2
-      tail -30 "$results/lm_eval-$mode.log" >&2
-      exit 1
-    }
+  # One lm-eval run a length: with several lengths in one run, --limit takes its samples from
+  # the first length's documents only and the others report no score.
+  for len in ${lengths//,/ }; do
+    echo "== $mode: ridgefill serve on port $port; lm_eval --tasks $tasks --limit $limit at $len tokens"
+    log="$results/lm_eval-$mode-$len.log"
+    "$venv/bin/lm_eval" --model local-completions \
+      --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,tokenizer=$tok,tokenizer_backend=huggingface,max_length=$ctx,num_concurrent=$parallel,max_retries=1,timeout=3600$text_requests" \
+      --include_path "$repo/scripts/lm_eval_tasks" --tasks "$tasks" \
+      --metadata "{\"max_seq_lengths\":[$len]}" --limit "$limit" \
+      --output_path "$results/$mode/$len" --log_samples --seed 1234 "${extra[@]}" \
+      >"$log" 2>&1 || {
+        echo "error: lm_eval ($mode, $len tokens) failed; the end of $log:" >&2
+        tail -30 "$log" >&2
+        exit 1
+      }
+  done
   wall[$mode]=$(( $(date +%s) - t0 ))
   curl -s "http://127.0.0.1:$port/metrics" >"$results/metrics-$mode.txt" 2>/dev/null || true
   stop_server
@@ -152,11 +157,17 @@ results, tasks, lengths, ci, wall_full, wall_fill, fill = sys.argv[1:]
 tasks, lengths = tasks.split(","), lengths.split(",")
 
 def load(mode):
-    files = sorted(glob.glob(os.path.join(results, mode, "**", "results_*.json"), recursive=True),
-                   key=os.path.getmtime)
-    if not files:
-        sys.exit(f"error: no lm-eval results under {results}/{mode}")
-    return json.load(open(files[-1]))["results"]
+    # Each length's run has its own results file; a task's scores are merged over them.
+    merged = {}
+    for L in lengths:
+        files = sorted(glob.glob(os.path.join(results, mode, L, "**", "results_*.json"),
+                                 recursive=True), key=os.path.getmtime)
+        if not files:
+            sys.exit(f"error: no lm-eval results under {results}/{mode}/{L}")
+        for task, scores in json.load(open(files[-1]))["results"].items():
+            merged.setdefault(task, {}).update(
+                {k: v for k, v in scores.items() if not (isinstance(v, (int, float)) and v < 0)})
+    return merged
 
 full, filled = load("full"), load("fill")
 rows, missing = [], []
@@ -174,16 +185,26 @@ for task in tasks:
 
 table = ["| task | metric | full | fill |", "|---|---|---:|---:|"]
 table += [f"| {t} | {m} | {a} | {b} |" for t, m, a, b in rows]
-def prefills(mode):
-    # The server's own count: proof that the fill ran (prompt-logprob requests always run full).
+def metrics(mode):
     m = {}
     for line in open(os.path.join(results, f"metrics-{mode}.txt"), errors="replace"):
         if line.startswith("ridgefill_") and " " in line:
             k, v = line.split(" ", 1)
             m[k] = v.strip()
+    return m
+
+def prefills(m):
+    # The server's own count: proof that the fill ran (prompt-logprob requests always run full).
     return f"{m.get('ridgefill_filled_requests_total', '?')}/{m.get('ridgefill_requests_total', '?')}"
 
-table.append(f"| requests prefilled with skip-and-fill | | {prefills('full')} | {prefills('fill')} |")
+def ttft(m):
+    # Summed over requests, queueing included (lm-eval sends --parallel at once).
+    v = m.get("ridgefill_ttft_seconds_sum")
+    return f"{float(v):.1f}" if v else "?"
+
+mf, mb = metrics("full"), metrics("fill")
+table.append(f"| requests prefilled with skip-and-fill | | {prefills(mf)} | {prefills(mb)} |")
+table.append(f"| time to first token, summed (s) | | {ttft(mf)} | {ttft(mb)} |")
 table.append(f"| wall time (s) | | {wall_full} | {wall_fill} |")
 text = "\n".join(table)
 print(f"\nfill file: {fill}\n{text}")
