@@ -204,6 +204,12 @@ impl Decoder {
     /// `window`, only the last `window` of those (the layer's slots are taken to be consecutive
     /// positions, as they are everywhere but in the `drop` baseline's upper layers).
     ///
+    /// Only the keys some query sees take part (a sliding layer's window, not the whole cache),
+    /// and each GQA group's query heads are stacked as rows over their shared K/V head: K/V are
+    /// never copied per query head. Both were copies and products over the whole cache for every
+    /// head on every decode step — Gemma 3 decoded 3.9 tokens/s after a 2581-token prompt
+    /// against 60 after a short one, most of it in copies (perf: `copy_2d_tiled`, 19%).
+    ///
     /// # Shapes
     /// - q: `[1, heads, m, hd]`, k/v: `[1, kv_heads, t, hd]` → `[1, heads, m, hd]`
     #[allow(clippy::too_many_arguments)]
@@ -219,42 +225,44 @@ impl Decoder {
     ) -> Tensor<4> {
         let group = heads / kv_heads;
         let [_, _, t, hd] = k.dims();
-        let (k, v) = if group == 1 {
-            (k, v)
-        } else {
-            let rep = |x: Tensor<4>| {
-                x.unsqueeze_dim::<5>(2)
-                    .expand([1, kv_heads, group, t, hd])
-                    .reshape([1, heads, t, hd])
-            };
-            (rep(k), rep(v))
-        };
         let m = q.dims()[2];
-        let seen: Vec<usize> = if seen.is_empty() && window.is_some() {
+        // Without `seen`, query i sits at position t - m + i.
+        let seen: Vec<usize> = if seen.is_empty() {
             (0..m).map(|i| t - m + i + 1).collect()
         } else {
             seen.to_vec()
         };
-        let mask = (!seen.is_empty()).then(|| {
-            let w = window.unwrap_or(usize::MAX);
-            let bits: Vec<bool> = seen
-                .iter()
-                .flat_map(|&s| {
-                    let lo = s.saturating_sub(w);
-                    (0..t).map(move |j| j >= s || j < lo)
-                })
+        let w = window.unwrap_or(usize::MAX);
+        let first = |s: usize| s.saturating_sub(w);
+        let lo = seen.iter().map(|&s| first(s)).min().unwrap_or(0);
+        let hi = seen.iter().copied().max().unwrap_or(t);
+        let keys = hi - lo;
+        let (k, v) = if keys < t {
+            (k.narrow(2, lo, keys), v.narrow(2, lo, keys))
+        } else {
+            (k, v)
+        };
+        let every_key = seen.iter().all(|&s| s == hi && first(s) <= lo);
+        let mask = (!every_key).then(|| {
+            // One row of bits per stacked query row (group-major, as the heads are).
+            let bits: Vec<bool> = (0..group)
+                .flat_map(|_| seen.iter())
+                .flat_map(|&s| (lo..hi).map(move |j| j >= s || j < first(s)))
                 .collect();
-            Tensor::<4, Bool>::from_data(TensorData::new(bits, [1, 1, m, t]), &self.device)
-                .expand([1, heads, m, t])
+            Tensor::<4, Bool>::from_data(
+                TensorData::new(bits, [1, 1, group * m, keys]),
+                &self.device,
+            )
+            .expand([1, kv_heads, group * m, keys])
         });
-        // Without a mask, causal masking is aligned bottom-right: query i sits at t - m + i.
         let c = &self.config;
         let opts = AttentionModuleOptions {
             scale: c.query_pre_attn_scalar.map(|_| c.attention_scale()),
             softcap: c.attn_logit_softcapping,
-            is_causal: mask.is_none(),
+            is_causal: false,
         };
-        attention(q, k, v, mask, None, opts)
+        let q = q.reshape([1, kv_heads, group * m, hd]);
+        attention(q, k, v, mask, None, opts).reshape([1, heads, m, hd])
     }
 
     /// `[m, 2·kv_dim]` (K columns then V columns) → K and V as `[1, kv_heads, m, hd]`.
