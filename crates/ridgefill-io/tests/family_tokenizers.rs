@@ -3,7 +3,7 @@
 //! `tests/golden/tiny_qwen.json` (scripts/tiny_qwen.py).
 //!
 //! The Gemma 3 270M GGUF is not in git: `cargo run --release -- fetch gemma3-270m` puts it in
-//! models/cache (`RIDGEFILL_GEMMA3_GGUF` overrides the path; scripts/test.sh fetches it); its
+//! models/cache or `$RIDGEFILL_CACHE` (`RIDGEFILL_GEMMA3_GGUF` overrides the path; scripts/test.sh fetches it); its
 //! tests fail, saying so, when it is absent. The tiny Qwen models are in tests/data.
 
 use std::path::{Path, PathBuf};
@@ -14,7 +14,7 @@ use ridgefill_io::tokenizer::{SpecialTokens, Tokenizer};
 use ridgefill_testkit::golden::{self, TokenizerCase};
 
 const GEMMA_ENV: &str = "RIDGEFILL_GEMMA3_GGUF";
-const DEFAULT_GEMMA: &str = "../../models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
+const GEMMA3: &str = "gemma3-270m/gemma-3-270m-q4_k_m.gguf";
 /// Control tokens the Gemma cases write in their text (parsed as single tokens).
 const GEMMA_CONTROL_TEXT: &[&str] = &["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"];
 
@@ -24,15 +24,7 @@ fn manifest_path(rel: &str) -> PathBuf {
 
 /// The Gemma 3 GGUF; a missing file fails the test, saying how to fetch it.
 fn gemma_gguf() -> GgufFile {
-    let path = std::env::var_os(GEMMA_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| manifest_path(DEFAULT_GEMMA));
-    assert!(
-        path.is_file(),
-        "Gemma 3 GGUF not found at {} (set {GEMMA_ENV}, or run `cargo run --release -- fetch \
-         gemma3-270m`; scripts/test.sh does)",
-        path.display()
-    );
+    let path = ridgefill_testkit::fetched_model(GEMMA3, Some(GEMMA_ENV));
     GgufFile::open(&path).expect("open the Gemma 3 GGUF")
 }
 

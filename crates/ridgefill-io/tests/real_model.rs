@@ -1,7 +1,7 @@
 //! Checks against the real SmolLM2-135M-Instruct Q4_1 GGUF and goldens from transformers / python gguf.
 //!
 //! The model is not in git: `cargo run --release -- fetch smollm2-135m` puts it in models/cache
-//! (CI does this first). `RIDGEFILL_SMOLLM2_GGUF` overrides the path.
+//! or `$RIDGEFILL_CACHE` (CI does this first). `RIDGEFILL_SMOLLM2_GGUF` overrides the path.
 
 use std::path::{Path, PathBuf};
 
@@ -10,10 +10,10 @@ use ridgefill_io::gguf::GgufFile;
 use serde::Deserialize;
 
 const MODEL_ENV: &str = "RIDGEFILL_SMOLLM2_GGUF";
-const DEFAULT_MODEL: &str = "../../models/cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
+const SMOLLM2: &str = "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The second model some dequant goldens refer to (fetched by scripts/test.sh; required).
 const GEMMA_ENV: &str = "RIDGEFILL_GEMMA3_GGUF";
-const DEFAULT_GEMMA: &str = "../../models/cache/gemma3-270m/gemma-3-270m-q4_k_m.gguf";
+const GEMMA3: &str = "gemma3-270m/gemma-3-270m-q4_k_m.gguf";
 const DEQUANT_GOLDEN: &str = "tests/golden/dequant.json";
 /// numpy sums pairwise in f64 and we sum sequentially; both are far more precise than this.
 const SUM_REL_TOLERANCE: f64 = 1e-9;
@@ -23,27 +23,11 @@ fn manifest_path(rel: &str) -> PathBuf {
 }
 
 fn model_path() -> PathBuf {
-    let path = std::env::var_os(MODEL_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| manifest_path(DEFAULT_MODEL));
-    assert!(
-        path.is_file(),
-        "SmolLM2 GGUF not found at {} (set {MODEL_ENV}); run `cargo run --release -- fetch smollm2-135m` first",
-        path.display()
-    );
-    path
+    ridgefill_testkit::fetched_model(SMOLLM2, Some(MODEL_ENV))
 }
 
 fn gemma_path() -> PathBuf {
-    let path = std::env::var_os(GEMMA_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| manifest_path(DEFAULT_GEMMA));
-    assert!(
-        path.is_file(),
-        "Gemma 3 GGUF not found at {} (set {GEMMA_ENV}); run `cargo run --release -- fetch gemma3-270m` first (scripts/test.sh does)",
-        path.display()
-    );
-    path
+    ridgefill_testkit::fetched_model(GEMMA3, Some(GEMMA_ENV))
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(rel: &str) -> T {

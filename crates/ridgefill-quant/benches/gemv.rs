@@ -12,10 +12,10 @@
 //! - `threshold`: integer kernels vs dequantise + f32 GEMM over m, per type.
 //! - `decode`: one decode step worth of SmolLM2 matmuls (30 × 4 + head), pool vs one thread.
 //!
-//! Set `RIDGEFILL_MODELS` if the models are not under /work/main/models/cache.
+//! The real-model modes read the models `ridgefill fetch` put in models/cache (or
+//! `$RIDGEFILL_CACHE`).
 
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -338,14 +338,8 @@ fn dequant() {
     }
 }
 
-fn models_dir() -> PathBuf {
-    std::env::var_os("RIDGEFILL_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/work/main/models/cache"))
-}
-
 fn smollm_file() -> Option<Arc<GgufFile>> {
-    let path = models_dir().join("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = ridgefill_testkit::models_dir().join("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf");
     match GgufFile::open(&path) {
         Ok(f) => Some(Arc::new(f)),
         Err(e) => {

@@ -4,7 +4,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::*;
@@ -13,22 +12,9 @@ use ridgefill_quant::{
     GgmlType, MatmulConfig, MatmulPath, QMatrix, QWeight, SimdLevel, WeightBytes,
 };
 
-/// Where the models live: `RIDGEFILL_MODELS` or this checkout's `models/cache`.
-fn models_dir() -> PathBuf {
-    std::env::var_os("RIDGEFILL_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/cache"))
-}
-
 /// A fetched model; a missing one fails the test, saying how to fetch it.
 fn open(rel: &str) -> Arc<GgufFile> {
-    let path = models_dir().join(rel);
-    assert!(
-        path.is_file(),
-        "{} not found: run `cargo run --release -- fetch smollm2-135m` and `… fetch gemma3-270m` \
-         first (scripts/test.sh does), or set RIDGEFILL_MODELS",
-        path.display()
-    );
+    let path = ridgefill_testkit::fetched_model(rel, None);
     Arc::new(GgufFile::open(&path).expect("readable GGUF"))
 }
 

@@ -25,6 +25,34 @@ pub fn repo() -> PathBuf {
         .to_path_buf()
 }
 
+/// Where `ridgefill fetch` puts models: `$RIDGEFILL_CACHE`, else the repository's
+/// `models/cache` (the rule of `src/fetch/manifest.rs`).
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("RIDGEFILL_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("models/cache"))
+}
+
+/// A fetched model file, `rel` (`<model>/<file>`) under [`models_dir`], or `$env` when given and
+/// set. A missing file fails the test, saying how to fetch it (`scripts/test.sh` fetches first).
+pub fn fetched_model(rel: &str, env: Option<&str>) -> PathBuf {
+    let path = env
+        .and_then(std::env::var_os)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| models_dir().join(rel));
+    let model = rel.split('/').next().unwrap_or(rel);
+    let set = env
+        .map(|e| format!("{e} (the file) or "))
+        .unwrap_or_default();
+    assert!(
+        path.is_file(),
+        "{} not found: run `cargo run --release -- fetch {model}` first (scripts/test.sh does), \
+         or set {set}RIDGEFILL_CACHE (where fetch put it)",
+        path.display()
+    );
+    path
+}
+
 /// `n` token ids spread over a vocabulary of `vocab` (the same prompt every run).
 pub fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
