@@ -5,8 +5,12 @@
 # `logprobs` (scripts/lm_eval_tasks/). Prints task x full x fill and keeps lm-eval's JSON results.
 #
 #   scripts/lm_eval.sh [--limit N] [--lengths 2048[,4096...]] [--model M] [--fill FILE]
-#                      [--tasks LIST] [--results DIR] [--parallel N] [--tokenizer-from M2] [--ci]
-#                      [-- LM_EVAL_ARGS...]
+#                      [--tasks LIST] [--results DIR] [--parallel N] [--tokenizer-from M2]
+#                      [--no-cache-prompt] [--ci] [-- LM_EVAL_ARGS...]
+#
+# --no-cache-prompt: both servers prefill every prompt whole (lm-eval's prompts of a task share
+# their opening, so with reuse a request prefills only its tail). With --parallel 1 the table's
+# summed prefill seconds are then the two methods' cold prefill times over the suite's prompts.
 #
 # --tokenizer-from: the model whose exported tokenizer lm-eval sizes RULER's prompts with
 # (default: --model). For a model whose tokenizer is not exported (SentencePiece: Gemma 3),
@@ -29,6 +33,7 @@ limit=15
 lengths=2048
 model=smollm2-135m
 tokenizer_from=""
+serve_extra=()
 fill=data/fid/s15q.fill
 fill_given=0
 tasks=niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe,ridgefill_cloze
@@ -47,12 +52,14 @@ while [ $# -gt 0 ]; do
     --results) results=$2; shift 2 ;;
     --parallel) parallel=$2; shift 2 ;;
     --tokenizer-from) tokenizer_from=$2; shift 2 ;;
+    --no-cache-prompt) serve_extra+=(--no-cache-prompt); shift ;;
     --ci) ci=1; limit=3; lengths=1024; shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage 0 ;;
     *) echo "error: unknown argument $1" >&2; usage 2 >&2 ;;
   esac
 done
+[[ "$parallel" =~ ^[0-9]+$ && "$parallel" -gt 0 ]] || { echo "error: --parallel $parallel: expected a positive integer" >&2; exit 2; }
 [[ "$limit" =~ ^[0-9]+$ && "$limit" -gt 0 ]] || { echo "error: --limit $limit: expected a positive integer" >&2; exit 2; }
 [[ "$lengths" =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "error: --lengths $lengths: expected comma-separated token counts, e.g. 2048,4096" >&2; exit 2; }
 results=${results:-data/lm_eval/$(date +%Y%m%d-%H%M%S)$(if [ $ci = 1 ]; then echo -ci; fi)}
@@ -126,7 +133,7 @@ declare -A wall
 for mode in full fill; do
   flags=()
   [ "$mode" = fill ] && flags=(--fill "$fill")
-  start_server "$results/serve-$mode.log" "${flags[@]}"
+  start_server "$results/serve-$mode.log" "${flags[@]}" "${serve_extra[@]}"
   t0=$(date +%s)
   # One lm-eval run a length: with several lengths in one run, --limit takes its samples from
   # the first length's documents only and the others report no score.
@@ -197,14 +204,24 @@ def prefills(m):
     # The server's own count: proof that the fill ran (prompt-logprob requests always run full).
     return f"{m.get('ridgefill_filled_requests_total', '?')}/{m.get('ridgefill_requests_total', '?')}"
 
-def ttft(m):
-    # Summed over requests, queueing included (lm-eval sends --parallel at once).
-    v = m.get("ridgefill_ttft_seconds_sum")
+def seconds(m, key):
+    v = m.get(key)
     return f"{float(v):.1f}" if v else "?"
+
+def ratio(key):
+    # Full's seconds over the fill's: the fill's speed-up on these requests.
+    try:
+        return f"{float(mf[key]) / float(mb[key]):.2f}x"
+    except (KeyError, ValueError, ZeroDivisionError):
+        return ""
 
 mf, mb = metrics("full"), metrics("fill")
 table.append(f"| requests prefilled with skip-and-fill | | {prefills(mf)} | {prefills(mb)} |")
-table.append(f"| time to first token, summed (s) | | {ttft(mf)} | {ttft(mb)} |")
+# Summed over requests; time to first token includes queueing (lm-eval sends --parallel at once),
+# prefill includes other slots' steps between a request's chunks unless --parallel is 1.
+for label, key in (("time to first token, summed (s)", "ridgefill_ttft_seconds_sum"),
+                   ("prefill, summed (s)", "ridgefill_prefill_seconds_total")):
+    table.append(f"| {label} | {ratio(key)} | {seconds(mf, key)} | {seconds(mb, key)} |")
 table.append(f"| wall time (s) | | {wall_full} | {wall_fill} |")
 text = "\n".join(table)
 print(f"\nfill file: {fill}\n{text}")

@@ -275,6 +275,20 @@ fn serve_answers_openai_requests_batches_and_stops() {
     let (_, _, m) = http(port, "GET", "/metrics", b"");
     assert!(m.contains("ridgefill_requests_total"), "{m}");
     assert!(m.contains("ridgefill_ttft_seconds_bucket"), "{m}");
+    // Prefill is part of each request's time to first token, never more.
+    let value = |name: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {m}"))
+    };
+    let (prefill, ttft) = (
+        value("ridgefill_prefill_seconds_total"),
+        value("ridgefill_ttft_seconds_sum"),
+    );
+    assert!(
+        prefill > 0.0 && prefill <= ttft,
+        "prefill {prefill} s, ttft {ttft} s"
+    );
     let (status, _, models) = http(port, "GET", "/v1/models", b"");
     assert_eq!(status, 200);
     assert!(models.contains("\"object\":\"list\""), "{models}");

@@ -270,6 +270,12 @@ impl Metrics {
             self.idle_cache_bytes.load(Ordering::Relaxed).to_string(),
         );
         metric(
+            "prefill_seconds_total",
+            "counter",
+            "Seconds from each request's first prefill chunk to its first token's logits, summed (other slots' steps in between count too: with --parallel 1 it is pure prefill).",
+            format!("{:.6}", m.prefill_seconds),
+        );
+        metric(
             "prefill_tokens_per_second",
             "gauge",
             "Prompt tokens per second of prefill, over the server's life.",
