@@ -41,9 +41,12 @@ results=""
 parallel=4
 ci=0
 extra=()
+# An option that takes a value, given last without one, would trip `set -u` with bash's own message.
+need() { [ "$2" -ge 2 ] || { echo "error: $1 needs a value" >&2; exit 2; }; }
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
+    --limit|--lengths|--model|--fill|--tasks|--results|--parallel|--tokenizer-from) need "$1" $# ;;&
     --limit) limit=$2; shift 2 ;;
     --lengths) lengths=$2; shift 2 ;;
     --model) model=$2; shift 2 ;;
