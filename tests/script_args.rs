@@ -1,14 +1,18 @@
 //! The scripts' bad arguments: each exits 2 with an error naming the argument, before anything is
 //! installed, built or written (no venv, no results directory).
 
+use std::path::Path;
 use std::process::Command;
 
 use ridgefill_testkit::repo;
 
-/// Runs `scripts/lm_eval.sh` with `args`; returns its exit status and stderr.
-fn lm_eval(args: &[&str]) -> (Option<i32>, String) {
+/// Runs `scripts/lm_eval.sh` with `args` (results sent to `results`); returns its exit status and
+/// stderr.
+fn lm_eval(results: &Path, args: &[&str]) -> (Option<i32>, String) {
     let out = Command::new("bash")
         .arg(repo().join("scripts/lm_eval.sh"))
+        .arg("--results")
+        .arg(results)
         .args(args)
         // A venv path that must never be made: the checks come first.
         .env(
@@ -47,13 +51,16 @@ fn lm_eval_rejects_bad_arguments_naming_them() {
         (&["--fill"], "--fill needs a value"),
         (&["--frobnicate"], "unknown argument --frobnicate"),
     ];
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let results = dir.path().join("results");
     for (args, needle) in rows {
-        let (code, err) = lm_eval(args);
+        let (code, err) = lm_eval(&results, args);
         assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(
             err.contains(needle),
             "{args:?}: expected {needle:?} in {err}"
         );
         assert!(!err.contains("unbound variable"), "{args:?}: {err}");
+        assert!(!results.exists(), "{args:?}: results directory made");
     }
 }

@@ -3,8 +3,8 @@
 //! `tests/golden/tiny_qwen.json` (scripts/tiny_qwen.py).
 //!
 //! The Gemma 3 270M GGUF is not in git: `cargo run --release -- fetch gemma3-270m` puts it in
-//! models/cache or `$RIDGEFILL_CACHE` (`RIDGEFILL_GEMMA3_GGUF` overrides the path; scripts/test.sh fetches it); its
-//! tests fail, saying so, when it is absent. The tiny Qwen models are in tests/data.
+//! models/cache or `$RIDGEFILL_CACHE` (`RIDGEFILL_GEMMA3_GGUF` overrides the path;
+//! scripts/test.sh fetches it); its tests fail, saying so, when it is absent. The tiny Qwen models are in tests/data.
 
 use std::path::{Path, PathBuf};
 
